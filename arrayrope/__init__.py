@@ -1,0 +1,16 @@
+"""Rotary position embeddings on plain NumPy and CuPy arrays."""
+
+from ._api import rotate, rotate_qk
+from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
+from .rope import RoPE
+
+__version__ = "0.1.0"
+__all__ = [
+    "BackendUnavailableError",
+    "RoPE",
+    "RopeError",
+    "RopeTypeError",
+    "RopeValueError",
+    "rotate",
+    "rotate_qk",
+]

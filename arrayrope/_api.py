@@ -1,0 +1,467 @@
+"""rotate, rotate_qk and the single path every call takes.
+
+Validate once at this boundary, resolve positions into table rows once, pick the backend once and
+launch once. Kernels get arrays that are already checked and never re-check them.
+"""
+
+import functools
+import operator
+import sys
+
+import numpy as np
+
+from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
+from .rope import RoPE
+
+POSITION_LIMIT = 2**31
+# Arithmetic dtype per storage dtype: float32 for half types and float32, float64 for float64.
+_TABLE_DTYPE = {
+    "float16": np.dtype(np.float32),
+    "bfloat16": np.dtype(np.float32),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+_BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
+_family_of_type = {}
+
+
+def _family(a):
+    """'numpy', 'cupy' or '' for an object, cached per type; asking never imports CuPy."""
+    kind = type(a)
+    family = _family_of_type.get(kind)
+    if family is None:
+        cupy = sys.modules.get("cupy")
+        if kind is np.ndarray or kind is np.memmap:
+            family = "numpy"
+        elif cupy is not None and issubclass(kind, cupy.ndarray):
+            family = "cupy"
+        else:
+            family = ""
+        _family_of_type[kind] = family
+    return family
+
+
+def _namespace(family):
+    if family == "cupy":
+        return sys.modules["cupy"]
+    return np
+
+
+def _describe(a):
+    return f"{type(a).__module__}.{type(a).__name__}"
+
+
+def _check_array(name, x, head_dim):
+    family = _family(x)
+    if not family:
+        raise RopeTypeError(f"{name} must be a NumPy or CuPy array, got {_describe(x)}")
+    if x.ndim == 0:
+        raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
+    if x.dtype.name not in _TABLE_DTYPE or x.dtype.kind not in "fV":
+        raise RopeTypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
+        )
+    if x.shape[-1] != head_dim:
+        raise RopeValueError(f"{name}.shape[-1] must equal head_dim ({head_dim}), got {x.shape[-1]}")
+    return family
+
+
+def _extent(a, family):
+    ptr = a.data.ptr if family == "cupy" else a.__array_interface__["data"][0]
+    low = high = ptr
+    for n, s in zip(a.shape, a.strides):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + a.itemsize
+
+
+def _same_view(a, b, family):
+    return _extent(a, family) == _extent(b, family) and a.strides == b.strides
+
+
+def _overlap(a, b, family):
+    """True when a and b share memory (exactly, where the namespace can tell)."""
+    (a_lo, a_hi), (b_lo, b_hi) = _extent(a, family), _extent(b, family)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    if family == "numpy":
+        return bool(np.shares_memory(a, b))
+    return bool(_namespace(family).shares_memory(a, b))
+
+
+def _check_outs(xs, outs, family, names):
+    if len(outs) != len(xs):
+        raise RopeTypeError(f"out must hold {len(xs)} arrays, got {len(outs)}")
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        name = "out" if len(xs) == 1 else f"out[{i}]"
+        if _family(out) != family:
+            raise RopeTypeError(
+                f"{name} must be a {'CuPy' if family == 'cupy' else 'NumPy'} array like "
+                f"{names[i]}, got {_describe(out)}"
+            )
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise RopeValueError(
+                f"{name} must have {names[i]}'s shape {x.shape} and dtype {x.dtype}, "
+                f"got shape {out.shape} and dtype {out.dtype}"
+            )
+        if family == "numpy" and not out.flags.writeable:
+            raise RopeValueError(f"{name} is read-only")
+        if family == "cupy" and out.device != x.device:
+            raise RopeValueError(
+                f"{name} is on device {out.device.id}, {names[i]} on device {x.device.id}"
+            )
+        if out.size == 0:
+            continue
+        for j, other in enumerate(xs):
+            if other.size == 0:
+                continue
+            if out is other or (i == j and _same_view(out, other, family)):
+                if i != j:
+                    raise RopeValueError(f"{name} is {names[j]}: it would be overwritten first")
+                continue
+            if _overlap(out, other, family):
+                raise RopeValueError(
+                    f"{name} overlaps {names[j]} partially; pass distinct memory, or {names[i]} "
+                    "itself to rotate in place"
+                )
+    if len(outs) == 2 and outs[0].size and outs[1].size and _overlap(outs[0], outs[1], family):
+        raise RopeValueError("out[0] and out[1] overlap")
+
+
+def _pick_backend(backend, family):
+    if backend == "auto":
+        return "numba" if family == "numpy" else "cupy"
+    if backend not in _BACKENDS:
+        raise RopeValueError(
+            f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}"
+        )
+    if backend == "numba" and family != "numpy":
+        raise RopeValueError("backend='numba' takes NumPy arrays; for CuPy arrays use 'cupy' "
+                             "or 'numba-cuda'")
+    if backend in ("cupy", "numba-cuda") and family != "cupy":
+        raise RopeValueError(f"backend={backend!r} takes CuPy arrays, got NumPy arrays; use "
+                             "'numba' or 'numpy'")
+    return backend
+
+
+def _launcher(backend):
+    if backend == "numba":
+        from ._cpu import launch
+    elif backend == "cupy":
+        from ._cuda_cupy import launch
+    elif backend == "numba-cuda":
+        from ._cuda_numba import launch
+    else:
+        return None
+    return launch
+
+
+def _broadcasts(shape, target):
+    return len(shape) <= len(target) and all(
+        s == 1 or s == t for s, t in zip(reversed(shape), reversed(target))
+    )
+
+
+def _shape_text(shapes):
+    return " and ".join(str(s) for s in shapes)
+
+
+_aranges = {}
+
+
+def _default_positions(rope, leads):
+    if rope.n_axes != 1:
+        raise RopeValueError(
+            f"pos is required for a RoPE with {rope.n_axes} position axes: give shape "
+            f"(..., {rope.n_axes})"
+        )
+    length = leads[0][-1] if leads[0] else 1
+    values = _aranges.get(length)
+    if values is None:
+        values = np.arange(length, dtype=np.int64).reshape(length, 1)
+        values.flags.writeable = False
+        if len(_aranges) < 1024:
+            _aranges[length] = values
+    return values, True, length - 1
+
+
+def _position_range(values, family):
+    """(min, max, finite) of a non-empty position array."""
+    if family == "numpy":
+        from ._cpu import position_range
+
+        return position_range(np.ascontiguousarray(values).reshape(-1))
+    xp = _namespace(family)
+    low, high = (float(v) for v in xp.stack([values.min(), values.max()]).get())
+    return low, high, bool(np.isfinite(low) and np.isfinite(high))
+
+
+def _positions(rope, pos, leads):
+    """Check ``pos`` against the leading shapes.
+
+    Returns (values, is_int, max): values of shape P + (n_axes or 1,), int64 or float64, on the
+    host or (for CuPy positions) the device.
+    """
+    if pos is None:
+        return _default_positions(rope, leads)
+    if isinstance(pos, (int, np.integer)) and not isinstance(pos, (bool, np.bool_)):
+        if rope.n_axes != 1:
+            raise RopeValueError(
+                f"pos must end in an axis of size n_axes ({rope.n_axes}), got the scalar {pos}"
+            )
+        if not 0 <= pos < POSITION_LIMIT:
+            raise RopeValueError(f"pos must be in [0, 2**31), got {pos}")
+        return np.full((1, 1), pos, dtype=np.int64), True, int(pos)
+    family = _family(pos)
+    if family:
+        values = pos
+    else:
+        try:
+            values = np.asarray(pos)
+        except (TypeError, ValueError):
+            raise RopeTypeError(f"pos must be positions (int or float), got {pos!r}") from None
+        family = "numpy"
+    if values.dtype.kind in "iu":
+        is_int = True
+    elif values.dtype.kind == "f":
+        is_int = False
+    else:
+        raise RopeTypeError(f"pos must hold integers or real numbers, got dtype {values.dtype}")
+    if rope.n_axes == 1:
+        values = values[..., None]
+    elif values.ndim == 0 or values.shape[-1] != rope.n_axes:
+        raise RopeValueError(
+            f"pos must end in an axis of size n_axes ({rope.n_axes}), got shape {values.shape}"
+        )
+    if not all(_broadcasts(values.shape[:-1], lead) for lead in leads):
+        shown = values.shape if rope.n_axes > 1 else values.shape[:-1]
+        raise RopeValueError(
+            f"pos of shape {shown} does not broadcast to the leading shape "
+            f"{_shape_text(leads)}"
+            + (f" (with a trailing axis of {rope.n_axes})" if rope.n_axes > 1 else "")
+        )
+    if values.size == 0:
+        return values.astype(np.int64 if is_int else np.float64), is_int, -1
+    low, high, finite = _position_range(values, family)
+    if not finite:
+        raise RopeValueError("pos must be finite, got nan or inf")
+    if low < 0:
+        raise RopeValueError(f"pos must be non-negative, got {low}")
+    if is_int:
+        if high >= POSITION_LIMIT:
+            raise RopeValueError(f"integer pos must be < 2**31, got {high}")
+        values = values.astype(np.int64, copy=False)
+    else:
+        values = values.astype(np.float64, copy=False)
+    return values, is_int, high
+
+
+def _seq_len(rope, seq_len, high):
+    if rope.scaling is None or not rope.scaling.dynamic:
+        return None
+    if seq_len is None:
+        return int(high) + 1
+    try:
+        value = operator.index(seq_len)
+    except TypeError:
+        raise RopeTypeError(f"seq_len must be an int or None, got {seq_len!r}") from None
+    if value < 1:
+        raise RopeValueError(f"seq_len must be >= 1, got {value}")
+    return value
+
+
+def _tables(rope, values, is_int, high, xp, device, dtype, seq_len):
+    """(cos, sin, idx): tables of ``dtype`` in ``xp`` and int64 row indices shaped like values."""
+    tables = rope._freq_set(seq_len).tables
+    if is_int:
+        cached = tables.cached(xp, device, dtype, max(int(high), 0))
+        if cached is not None:
+            return cached[0], cached[1], values
+    # Real-valued positions, or integers past the cache: one exact row per position entry.
+    value_xp = _namespace(_family(values))
+    flat = values.reshape(-1, values.shape[-1]).astype(np.float64, copy=False)
+    cos, sin = tables.exact(value_xp, dtype, flat)
+    idx = value_xp.arange(flat.shape[0], dtype=np.int64).reshape(values.shape[:-1] + (1,))
+    if value_xp is not xp:
+        cos, sin = xp.asarray(cos), xp.asarray(sin)
+    return cos, sin, idx
+
+
+def _gather(rope, xp, cos, sin, idx):
+    """cos/sin per pair for each position entry: shape idx.shape[:-1] + (n_pairs,)."""
+    pairs = rope.rotary_dim // 2
+    if idx.shape[-1] == 1:
+        rows = xp.broadcast_to(idx, idx.shape[:-1] + (pairs,))
+    else:
+        rows = idx[..., xp.asarray(rope._pair_axis)]
+    columns = xp.arange(pairs)
+    return cos[rows, columns], sin[rows, columns]
+
+
+def apply(rope, xs, pos, inverse, outs, backend, seq_len):
+    """Validate, resolve positions and tables, and rotate each of ``xs``. Returns a tuple."""
+    names = ("x",) if len(xs) == 1 else ("q", "k")
+    family = None
+    for name, x in zip(names, xs):
+        fam = _check_array(name, x, rope.head_dim)
+        if family is None:
+            family = fam
+        elif fam != family:
+            raise RopeTypeError(f"q and k must be arrays of one kind, got {_describe(xs[0])} "
+                                f"and {_describe(x)}")
+    if len(xs) == 2:
+        if xs[0].dtype != xs[1].dtype:
+            raise RopeTypeError(f"q and k must share a dtype, got {xs[0].dtype} and {xs[1].dtype}")
+        if family == "cupy" and xs[0].device != xs[1].device:
+            raise RopeValueError(
+                f"q is on device {xs[0].device.id}, k on device {xs[1].device.id}"
+            )
+    if not isinstance(inverse, (bool, np.bool_)):
+        raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
+    if outs is not None:
+        _check_outs(xs, outs, family, names)
+    backend = _pick_backend(backend, family)
+    launch = _launcher(backend)
+    xp = _namespace(family)
+    leads = [x.shape[:-1] for x in xs]
+    values, is_int, high = _positions(rope, pos, leads)
+    if family == "numpy" and _family(values) == "cupy":
+        raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
+    device = xs[0].device.id if family == "cupy" else None
+    dtype = _TABLE_DTYPE[xs[0].dtype.name]
+    cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
+                            _seq_len(rope, seq_len, high))
+    results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
+    half_style = rope.style == "half"
+
+    if launch is None:
+        cos_rows, sin_rows = _gather(rope, xp, cos, sin, idx)
+        for x, out in zip(xs, results):
+            rotate = _reference_rotate()
+            rotate(xp, x, cos_rows, sin_rows, style=rope.style, rotary_dim=rope.rotary_dim,
+                   inverse=bool(inverse), out=out)
+        return results
+
+    operands, write_back = _kernel_operands(xs, results, idx, xp, family)
+    if operands:
+        launch(operands, cos, sin, rope._segments, rope.rotary_dim, half_style, bool(inverse))
+    for temp, out in write_back:
+        out[...] = temp
+    return results
+
+
+def _reference_rotate():
+    from ._reference import rotate_reference
+
+    return rotate_reference
+
+
+def _kernel_ready(a):
+    """Whether the kernels can address ``a`` directly: contiguous features, whole-element strides."""
+    return a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 for s in a.strides)
+
+
+def _kernel_operands(xs, outs, idx, xp, family):
+    """(x, out, idx) triples shaped for the kernels, and temporaries to copy back afterwards.
+
+    Leading axes keep their strides (no copy). A layout the kernels cannot address (features not
+    contiguous) goes through a contiguous temporary: correct, at the cost of a copy. Every
+    operand gets the same number of leading axes, at least one, and idx gets them too; an
+    in-place operand is passed with ``out is x``.
+    """
+    nlead = max(1, max(x.ndim - 1 for x in xs))
+    operands, write_back = [], []
+    for x, out in zip(xs, outs):
+        if x.size == 0:
+            continue
+        in_place = out is x or _same_view(out, x, family)
+        if in_place:
+            if not _kernel_ready(x):
+                x = xp.ascontiguousarray(x)
+                write_back.append((x, out))
+            out = x
+        else:
+            if not _kernel_ready(x):
+                x = xp.ascontiguousarray(x)
+            if not _kernel_ready(out):
+                temp = xp.empty(x.shape, x.dtype)
+                write_back.append((temp, out))
+                out = temp
+        pad = (None,) * (nlead + 1 - x.ndim)
+        x_padded = x[pad]
+        out = x_padded if out is x else out[pad]
+        operands.append((x_padded, out, idx[(None,) * (nlead + 1 - idx.ndim)]))
+    return operands, write_back
+
+
+def _feature_size(name, x):
+    shape = getattr(x, "shape", None)
+    if shape is None or not isinstance(shape, tuple):
+        raise RopeTypeError(f"{name} must be a NumPy or CuPy array, got {_describe(x)}")
+    if len(shape) == 0:
+        raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
+    if shape[-1] % 2:
+        raise RopeValueError(f"{name}.shape[-1] must be even, got {shape[-1]}")
+    return shape[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_rope(head_dim, base, style, rotary_dim, scaling):
+    return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
+
+
+def shared_rope(head_dim, base, style, rotary_dim, scaling):
+    """The one RoPE per configuration that the module-level functions share."""
+    try:
+        return _cached_rope(head_dim, base, style, rotary_dim, scaling)
+    except RopeError:
+        raise
+    except TypeError:  # an unhashable argument: let the constructor name it
+        return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
+
+
+def rotate(x, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None, inverse=False,
+           out=None, backend="auto", scaling=None, seq_len=None):
+    """Rotate ``x`` (..., d) by rotary position embeddings; see :meth:`RoPE.rotate`.
+
+    ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
+    ``x.shape[-1]``; calls with one configuration share one RoPE and its cache.
+    """
+    rope = shared_rope(_feature_size("x", x), base, style, rotary_dim, scaling)
+    return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
+
+
+def rotate_qk(q, k, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None,
+              inverse=False, out=None, backend="auto", scaling=None, seq_len=None):
+    """Rotate queries and keys in one pass; returns (q_rot, k_rot). See :meth:`RoPE.rotate_qk`."""
+    rope = shared_rope(_feature_size("q", q), base, style, rotary_dim, scaling)
+    return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
+
+
+def cos_sin(rope, pos, like, seq_len):
+    """See :meth:`RoPE.cos_sin`."""
+    if pos is None:
+        raise RopeValueError("pos is required for cos_sin")
+    if like is None:
+        family, dtype, device = "numpy", np.dtype(np.float32), None
+    else:
+        family = _family(like)
+        if not family:
+            raise RopeTypeError(f"like must be a NumPy or CuPy array, got {_describe(like)}")
+        if like.dtype.name not in _TABLE_DTYPE:
+            raise RopeTypeError(
+                f"like must be float16, bfloat16, float32 or float64, got dtype {like.dtype}"
+            )
+        dtype = _TABLE_DTYPE[like.dtype.name]
+        device = like.device.id if family == "cupy" else None
+    xp = _namespace(family)
+    shape = getattr(pos, "shape", np.shape(pos))
+    lead = tuple(shape) if rope.n_axes == 1 else tuple(shape[:-1])
+    values, is_int, high = _positions(rope, pos, [lead])
+    cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
+                            _seq_len(rope, seq_len, high))
+    if _family(idx) != family:
+        idx = xp.asarray(idx)
+    return _gather(rope, xp, cos, sin, idx)

@@ -1,0 +1,245 @@
+"""RoPE: one rotary-embedding configuration, its frequencies and its cos/sin caches."""
+
+import math
+import operator
+import threading
+
+import numpy as np
+
+from ._cache import CosSinTables
+from ._errors import RopeTypeError, RopeValueError
+
+STYLES = ("interleaved", "half")
+
+
+def _int_arg(name, value, *, minimum):
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise RopeTypeError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum:
+        raise RopeValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _base_arg(base):
+    try:
+        value = float(base)
+    except (TypeError, ValueError):
+        raise RopeTypeError(f"base must be a real number, got {base!r}") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise RopeValueError(f"base must be finite and > 0, got {base!r}")
+    return value
+
+
+def _style_arg(style):
+    if style not in STYLES:
+        raise RopeValueError(f"style must be 'interleaved' or 'half', got {style!r}")
+    return style
+
+
+def _segments(pair_axis):
+    """Runs of consecutive pairs on one position axis, as int64 rows (first, stop, axis)."""
+    starts = [0] + [j for j in range(1, pair_axis.size) if pair_axis[j] != pair_axis[j - 1]]
+    stops = starts[1:] + [pair_axis.size]
+    return np.array([(a, b, pair_axis[a]) for a, b in zip(starts, stops)], dtype=np.int64)
+
+
+class FreqSet:
+    """One set of pair frequencies with its attention scaling and cos/sin tables."""
+
+    def __init__(self, inv_freq, pair_axis, attention_scaling, max_rows):
+        self.inv_freq = inv_freq
+        self.attention_scaling = float(attention_scaling)
+        self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
+
+
+class RoPE:
+    """A configured rotary position embedding that owns its cos/sin cache.
+
+    Parameters
+    ----------
+    head_dim : int
+        Features per head, d (even). ``x.shape[-1]`` must equal it.
+    base : float
+        The frequency base: pair i turns by ``theta_i = base ** (-2 i / rotary_dim)`` per position.
+    style : {"interleaved", "half"}
+        "interleaved" rotates pairs (x[2i], x[2i+1]): the block-diagonal matrix of RoFormer's
+        Eq. 15, GPT-J, Meta's original Llama code. "half" rotates pairs (x[i], x[i + rotary_dim/2]):
+        GPT-NeoX and Hugging Face Llama's ``rotate_half``.
+    rotary_dim : int, optional
+        Rotate only the first ``rotary_dim`` features (even, <= head_dim; default head_dim). The
+        rest pass through bit-identical (partial rotary, as GPT-NeoX and Phi-2 use).
+    max_positions : int, optional
+        Build the cache for positions 0..max_positions-1 at once, and never grow it. By default
+        the cache grows geometrically up to 32 MiB of tables. Positions past the cache are
+        computed exactly per call, never refused.
+    scaling : a rule from :mod:`arrayrope.scaling`, optional
+        Long-context frequency scaling; None is plain RoPE.
+
+    Attributes
+    ----------
+    inv_freq : float64 ndarray, shape (rotary_dim // 2,)
+        theta_i of every pair (for length-dependent scaling, the frequencies at short lengths).
+    attention_scaling : float
+        The factor multiplied into cos and sin (1.0 without scaling).
+    n_axes : int
+        Position components per token (1 here; see :meth:`axial`, :meth:`sectioned`).
+    """
+
+    def __init__(self, head_dim, *, base=10000.0, style="interleaved", rotary_dim=None,
+                 max_positions=None, scaling=None):
+        head_dim = _int_arg("head_dim", head_dim, minimum=2)
+        if head_dim % 2:
+            raise RopeValueError(f"head_dim must be even, got {head_dim}")
+        if rotary_dim is None:
+            rotary_dim = head_dim
+        rotary_dim = _int_arg("rotary_dim", rotary_dim, minimum=2)
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise RopeValueError(
+                f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
+            )
+        base = _base_arg(base)
+        self._setup(head_dim, rotary_dim, _style_arg(style), max_positions, scaling,
+                    blocks=[(rotary_dim, base)], pair_axis=np.zeros(rotary_dim // 2, np.int64))
+        self.base = base
+
+    def _setup(self, head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis):
+        """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
+        that are concatenated into inv_freq; ``pair_axis`` gives each pair's position axis."""
+        if max_positions is not None:
+            max_positions = _int_arg("max_positions", max_positions, minimum=1)
+        if scaling is not None:
+            from .scaling import ScalingRule
+
+            if not isinstance(scaling, ScalingRule):
+                raise RopeTypeError(
+                    "scaling must be a rule from arrayrope.scaling (Linear, NTK, DynamicNTK, "
+                    f"YaRN, Llama3, LongRoPE) or None, got {scaling!r}"
+                )
+            scaling.check(blocks)
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.style = style
+        self.max_positions = max_positions
+        self.scaling = scaling
+        self.n_axes = int(pair_axis.max()) + 1
+        self._blocks = tuple(blocks)
+        self._pair_axis = pair_axis
+        self._segments = _segments(pair_axis)
+        self._sets = {}
+        self._lock = threading.Lock()
+        self._default = self._freq_set(None)
+
+    def _freq_set(self, seq_len):
+        """The frequency set for a current sequence length (None: the short-length set)."""
+        key = None if self.scaling is None else self.scaling.select(seq_len)
+        found = self._sets.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._sets.get(key)
+            if found is None:
+                if self.scaling is None:
+                    inv_freq = np.concatenate(
+                        [b ** (-np.arange(0, n, 2, dtype=np.float64) / n) for n, b in self._blocks]
+                    )
+                    scale = 1.0
+                else:
+                    inv_freq, scale = self.scaling.frequencies(self._blocks, key)
+                if len(self._sets) >= 64:  # a long-running dynamic rule must not pile up tables
+                    self._sets.clear()
+                found = self._sets[key] = FreqSet(
+                    np.ascontiguousarray(inv_freq, dtype=np.float64), self._pair_axis, scale,
+                    self.max_positions,
+                )
+        return found
+
+    @property
+    def inv_freq(self):
+        return self._default.inv_freq.copy()
+
+    @property
+    def attention_scaling(self):
+        return self._default.attention_scaling
+
+    def __repr__(self):
+        extra = "" if self.scaling is None else f", scaling={self.scaling!r}"
+        return (f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+                f"style={self.style!r}, n_axes={self.n_axes}{extra})")
+
+    def rotate(self, x, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
+        """Rotate ``x`` by its positions.
+
+        Parameters
+        ----------
+        x : float array, shape (..., head_dim)
+            NumPy or CuPy; float16, bfloat16 (ml_dtypes), float32 or float64.
+        pos : int or float array, int, float, or None
+            Positions broadcastable to ``x.shape[:-1]`` (with a trailing axis of size n_axes for
+            multi-axis RoPE). (B, H, T, d) takes (T,) or (B, 1, T); (B, T, H, d) takes (T, 1) or
+            (B, T, 1); packed (N, H, d) takes (N, 1). A scalar puts every row there. None means
+            0..T-1 along axis -2. Integer positions read the cache; real-valued positions get
+            exact float64 angles.
+        inverse : bool
+            Rotate by -angle: the transpose, the exact undo (up to attention_scaling**2 when a
+            scaling rule sets one) and the backward pass.
+        out : array like ``x``, optional
+            Where to write the result; ``out=x`` rotates in place. Without it ``x`` is untouched.
+        backend : {"auto", "numba", "numpy", "cupy", "numba-cuda"}
+        seq_len : int, optional
+            The current length for length-dependent scaling rules (default: max(pos) + 1).
+
+        Returns
+        -------
+        array, the type, shape and dtype of ``x``.
+
+        Raises
+        ------
+        RopeValueError, RopeTypeError
+            Bad input; ``x`` and ``out`` are left untouched.
+        BackendUnavailableError
+            The backend needs a package or device this process lacks.
+        """
+        from ._api import apply
+
+        return apply(self, (x,), pos, inverse, None if out is None else (out,), backend,
+                     seq_len)[0]
+
+    def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
+        """Rotate queries and keys by the same positions in one pass.
+
+        ``q`` (..., Hq, T, d) and ``k`` (..., Hk, T, d) may differ in head count (grouped-query
+        attention) and may be strided views into one fused QKV buffer; ``pos`` must broadcast
+        against both leading shapes. ``out`` is None or a pair (q_out, k_out). Returns
+        (q_rot, k_rot). Other parameters as in :meth:`rotate`.
+        """
+        from ._api import apply
+
+        if out is not None:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise RopeTypeError(
+                    f"out must be None or a pair (q_out, k_out), got {type(out).__name__}"
+                )
+            out = tuple(out)
+        return apply(self, (q, k), pos, inverse, out, backend, seq_len)
+
+    def cos_sin(self, pos, like=None, *, seq_len=None):
+        """The cos and sin tables for ``pos``, attention scaling included.
+
+        Parameters
+        ----------
+        pos : int or float positions, shape P (P + (n_axes,) for multi-axis RoPE)
+        like : array, optional
+            Return on its device (NumPy or CuPy) with its table dtype: float64 for float64,
+            float32 otherwise (the default).
+
+        Returns
+        -------
+        (cos, sin), each of shape P + (rotary_dim // 2,); pair j uses frequency ``inv_freq[j]``.
+        """
+        from ._api import cos_sin
+
+        return cos_sin(self, pos, like, seq_len)
