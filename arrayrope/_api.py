@@ -15,12 +15,20 @@ from .rope import RoPE
 
 POSITION_LIMIT = 2**31
 # Arithmetic dtype per storage dtype: float32 for half types and float32, float64 for float64.
+# Keyed by dtype object (hashing a dtype is cheap, dtype.name is not); bfloat16 joins on first
+# sight, so that asking never imports ml_dtypes.
 _TABLE_DTYPE = {
-    "float16": np.dtype(np.float32),
-    "bfloat16": np.dtype(np.float32),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
+    np.dtype(np.float16): np.dtype(np.float32),
+    np.dtype(np.float32): np.dtype(np.float32),
+    np.dtype(np.float64): np.dtype(np.float64),
 }
+
+
+def _table_dtype(dtype):
+    found = _TABLE_DTYPE.get(dtype)
+    if found is None and dtype.name == "bfloat16" and dtype.itemsize == 2:
+        found = _TABLE_DTYPE[dtype] = np.dtype(np.float32)
+    return found
 _BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
 _family_of_type = {}
 
@@ -57,7 +65,7 @@ def _check_array(name, x, head_dim):
         raise RopeTypeError(f"{name} must be a NumPy or CuPy array, got {_describe(x)}")
     if x.ndim == 0:
         raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
-    if x.dtype.name not in _TABLE_DTYPE or x.dtype.kind not in "fV":
+    if _table_dtype(x.dtype) is None:
         raise RopeTypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
         )
@@ -330,7 +338,7 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
     if family == "numpy" and _family(values) == "cupy":
         raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
     device = xs[0].device.id if family == "cupy" else None
-    dtype = _TABLE_DTYPE[xs[0].dtype.name]
+    dtype = _table_dtype(xs[0].dtype)
     cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
                             _seq_len(rope, seq_len, high))
     results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
@@ -344,7 +352,8 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
                    inverse=bool(inverse), out=out)
         return results
 
-    operands, write_back = _kernel_operands(xs, results, idx, xp, family)
+    fresh = results if outs is None else (None,) * len(xs)
+    operands, write_back = _kernel_operands(xs, results, idx, xp, family, fresh)
     if operands:
         launch(operands, cos, sin, rope._segments, rope.rotary_dim, half_style, bool(inverse))
     for temp, out in write_back:
@@ -363,7 +372,7 @@ def _kernel_ready(a):
     return a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 for s in a.strides)
 
 
-def _kernel_operands(xs, outs, idx, xp, family):
+def _kernel_operands(xs, outs, idx, xp, family, fresh):
     """(x, out, idx) triples shaped for the kernels, and temporaries to copy back afterwards.
 
     Leading axes keep their strides (no copy). A layout the kernels cannot address (features not
@@ -373,10 +382,10 @@ def _kernel_operands(xs, outs, idx, xp, family):
     """
     nlead = max(1, max(x.ndim - 1 for x in xs))
     operands, write_back = [], []
-    for x, out in zip(xs, outs):
+    for x, out, fresh in zip(xs, outs, fresh):
         if x.size == 0:
             continue
-        in_place = out is x or _same_view(out, x, family)
+        in_place = out is x or (out is not fresh and _same_view(out, x, family))
         if in_place:
             if not _kernel_ready(x):
                 x = xp.ascontiguousarray(x)
@@ -450,11 +459,11 @@ def cos_sin(rope, pos, like, seq_len):
         family = _family(like)
         if not family:
             raise RopeTypeError(f"like must be a NumPy or CuPy array, got {_describe(like)}")
-        if like.dtype.name not in _TABLE_DTYPE:
+        dtype = _table_dtype(like.dtype)
+        if dtype is None:
             raise RopeTypeError(
                 f"like must be float16, bfloat16, float32 or float64, got dtype {like.dtype}"
             )
-        dtype = _TABLE_DTYPE[like.dtype.name]
         device = like.device.id if family == "cupy" else None
     xp = _namespace(family)
     shape = getattr(pos, "shape", np.shape(pos))

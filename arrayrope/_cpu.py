@@ -16,6 +16,7 @@ all in elements of the flat views. ``rotate`` passes an empty second operand.
 import os
 
 import numpy as np
+from llvmlite import binding as ll
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -44,22 +45,46 @@ def _f32_as_u32(typingctx, value):
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def _f16_bits_widen(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f16_bits_narrow(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(types.float32), codegen
+
+
+# With F16C (every x86-64 since 2013) LLVM's half conversions are single vector instructions
+# (vcvtph2ps/vcvtps2ph, round half to even), several times faster than the bit arithmetic below.
+# Without it LLVM would call a runtime helper that Numba's JIT may not link, so other CPUs take
+# the bit arithmetic, which tests check against NumPy for every float16 value.
+HARDWARE_F16 = os.environ.get("ARRAYROPE_SOFT_F16", "0") == "0" and (
+    "+f16c" in ll.get_host_cpu_features().flatten()
+)
+
 _F16_SUBNORMAL = np.float32(2.0**-24)
 _F16_SUBNORMAL_INV = np.float32(2.0**24)
 _RNE_MAGIC = np.float32(2.0**23)
 
 
+# The conversions are written as selects, not branches, so that loops over them vectorize.
 @njit
 def _f16_to_f32(h):
     bits = np.uint32(np.uint16(h))
     sign = (bits & np.uint32(0x8000)) << np.uint32(16)
     mag = bits & np.uint32(0x7FFF)
-    if mag >= np.uint32(0x7C00):  # inf, nan: all-ones exponent, mantissa kept
-        out = (mag << np.uint32(13)) | np.uint32(0x7F800000)
-    elif mag >= np.uint32(0x0400):  # normal: rebias the exponent from 15 to 127
-        out = (mag << np.uint32(13)) + np.uint32(0x38000000)
-    else:  # subnormal or zero: exactly mag * 2**-24
-        out = _f32_as_u32(np.float32(mag) * _F16_SUBNORMAL)
+    normal = (mag << np.uint32(13)) + np.uint32(0x38000000)  # rebias the exponent 15 -> 127
+    subnormal = _f32_as_u32(np.float32(mag) * _F16_SUBNORMAL)  # exactly mag * 2**-24
+    special = (mag << np.uint32(13)) | np.uint32(0x7F800000)  # inf, nan: mantissa kept
+    out = subnormal if mag < np.uint32(0x0400) else normal
+    out = special if mag >= np.uint32(0x7C00) else out
     return _u32_as_f32(out | sign)
 
 
@@ -68,16 +93,16 @@ def _f32_to_f16(f):
     bits = _f32_as_u32(f)
     sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
     mag = bits & np.uint32(0x7FFFFFFF)
-    if mag > np.uint32(0x7F800000):  # nan stays a quiet nan
-        out = np.uint32(0x7E00)
-    elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds to inf
-        out = np.uint32(0x7C00)
-    elif mag < np.uint32(0x38800000):  # below 2**-14: subnormal, round half to even via 2**23
-        scaled = _u32_as_f32(mag) * _F16_SUBNORMAL_INV
-        out = np.uint32((scaled + _RNE_MAGIC) - _RNE_MAGIC)
-    else:  # normal: rebias, round half to even on the 13 dropped bits
-        odd = (mag >> np.uint32(13)) & np.uint32(1)
-        out = (mag - np.uint32(0x38000000) + np.uint32(0xFFF) + odd) >> np.uint32(13)
+    # normal: rebias, round half to even on the 13 dropped bits
+    odd = (mag >> np.uint32(13)) & np.uint32(1)
+    normal = (mag - np.uint32(0x38000000) + np.uint32(0xFFF) + odd) >> np.uint32(13)
+    # below 2**-14: subnormal, scaled to an integer and rounded half to even through 2**23
+    small = mag if mag < np.uint32(0x38800000) else np.uint32(0x38800000)
+    scaled = _u32_as_f32(small) * _F16_SUBNORMAL_INV
+    subnormal = np.uint32((scaled + _RNE_MAGIC) - _RNE_MAGIC)
+    out = subnormal if mag < np.uint32(0x38800000) else normal
+    out = np.uint32(0x7C00) if mag >= np.uint32(0x477FF000) else out  # >= 65520 rounds to inf
+    out = np.uint32(0x7E00) if mag > np.uint32(0x7F800000) else out  # nan stays a quiet nan
     return np.int16(np.uint16(out | sign))
 
 
@@ -103,9 +128,21 @@ def _store(a, i, v):
     """a[i] = v, rounded once to a's storage type."""
 
 
+def _is_bits(a):
+    """Whether a holds half-type bits (converted through a float32 row buffer)."""
+
+
+@overload(_is_bits)
+def _is_bits_impl(a):
+    bits = a.dtype in (types.int16, types.uint16)
+    return lambda a: bits
+
+
 @overload(_load)
 def _load_impl(a, i):
     if a.dtype == types.int16:
+        if HARDWARE_F16:
+            return lambda a, i: _f16_bits_widen(a[i])
         return lambda a, i: _f16_to_f32(a[i])
     if a.dtype == types.uint16:
         return lambda a, i: _bf16_to_f32(a[i])
@@ -117,7 +154,7 @@ def _store_impl(a, i, v):
     if a.dtype == types.int16:
 
         def store_f16(a, i, v):
-            a[i] = _f32_to_f16(v)
+            a[i] = _f16_bits_narrow(v) if HARDWARE_F16 else _f32_to_f16(v)
 
         return store_f16
     if a.dtype == types.uint16:
@@ -133,45 +170,119 @@ def _store_impl(a, i, v):
     return store_float
 
 
+# One function per pair style: a constant element stride (1 or 2) is what lets LLVM vectorize.
+# Slices indexed from 0 keep the loops free of negative-index wraparound checks too.
 @njit
-def _row(x, o, idx, g, t, r, cos, sin, seg, rotary_dim, d, half_style, sign, copy_tail):
+def _pairs_half(x, o, x_start, o_start, half, cos, sin, sign):
+    """Rotate pairs (x[i], x[i + half]) for the len(cos) pairs from x_start."""
+    n = cos.shape[0]
+    xa = x[x_start:x_start + n]
+    xb = x[x_start + half:x_start + half + n]
+    oa = o[o_start:o_start + n]
+    ob = o[o_start + half:o_start + half + n]
+    for k in range(n):
+        c = cos[k]
+        s = sin[k] * sign
+        a = _load(xa, k)
+        b = _load(xb, k)
+        _store(oa, k, a * c - b * s)
+        _store(ob, k, b * c + a * s)
+
+
+@njit
+def _pairs_interleaved(x, o, x_start, o_start, cos, sin, sign):
+    """Rotate pairs (x[2i], x[2i + 1]) for the len(cos) pairs from x_start."""
+    n = cos.shape[0]
+    xs = x[x_start:x_start + 2 * n]
+    os_ = o[o_start:o_start + 2 * n]
+    for k in range(n):
+        c = cos[k]
+        s = sin[k] * sign
+        a = _load(xs, 2 * k)
+        b = _load(xs, 2 * k + 1)
+        _store(os_, 2 * k, a * c - b * s)
+        _store(os_, 2 * k + 1, b * c + a * s)
+
+
+@njit
+def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style,
+         sign, copy_tail, buf):
+    if _is_bits(x):
+        # Half types: widen the row into a float32 buffer in one contiguous loop, rotate there
+        # in place, narrow it back once. Contiguous conversions vectorize; strided ones do not.
+        x_row = x[xb:xb + rotary_dim]
+        for j in range(rotary_dim):
+            buf[j] = _load(x_row, j)
+        _row_pairs(buf, buf, True, idx, 0, 0, pb, axis_stride, cos, sin, seg, rotary_dim,
+                   half_style, sign)
+        o_row = o[ob:ob + rotary_dim]
+        for j in range(rotary_dim):
+            _store(o_row, j, buf[j])
+    else:
+        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
+                   half_style, sign)
+    if copy_tail:
+        o[ob + rotary_dim:ob + d] = x[xb + rotary_dim:xb + d]
+
+
+@njit
+def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
+               half_style, sign):
+    for s in range(seg.shape[0]):
+        j0 = seg[s, 0]
+        j1 = seg[s, 1]
+        p = idx[pb + seg[s, 2] * axis_stride]
+        c = cos[p, j0:j1]
+        sn = sin[p, j0:j1]
+        # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
+        if half_style and in_place:
+            _pairs_half(x, x, xb + j0, xb + j0, rotary_dim // 2, c, sn, sign)
+        elif half_style:
+            _pairs_half(x, o, xb + j0, ob + j0, rotary_dim // 2, c, sn, sign)
+        elif in_place:
+            _pairs_interleaved(x, x, xb + 2 * j0, xb + 2 * j0, c, sn, sign)
+        else:
+            _pairs_interleaved(x, o, xb + 2 * j0, ob + 2 * j0, c, sn, sign)
+
+
+@njit
+def _rows(x, o, in_place, idx, g, t, first, stop, cos, sin, seg, rotary_dim, d, half_style, sign,
+          copy_tail):
+    """Rows first..stop-1 of operand t. The leading index is decoded once, then advanced like
+    an odometer: an int64 division per row costs as much as rotating a float32 row."""
+    if first >= stop:
+        return
     nlead = g.shape[2] - 1
+    counter = np.empty(nlead, dtype=np.int64)
+    buf = np.empty(rotary_dim, dtype=cos.dtype)
     xb = g[t, 1, nlead]
     ob = g[t, 2, nlead]
     pb = g[t, 3, nlead]
-    rem = np.int64(r)  # a prange index may be unsigned; int64 keeps the index arithmetic integral
+    rem = np.int64(first)  # a prange index may be unsigned; int64 keeps index arithmetic integral
     for ax in range(nlead - 1, -1, -1):
-        n = g[t, 0, ax]
-        i = rem % n
-        rem //= n
+        i = rem % g[t, 0, ax]
+        rem //= g[t, 0, ax]
+        counter[ax] = i
         xb += i * g[t, 1, ax]
         ob += i * g[t, 2, ax]
         pb += i * g[t, 3, ax]
     axis_stride = g[t, 0, nlead]
-    half = rotary_dim // 2
-    for s in range(seg.shape[0]):
-        p = idx[pb + seg[s, 2] * axis_stride]
-        c_row = cos[p]
-        s_row = sin[p]
-        if half_style:
-            for j in range(seg[s, 0], seg[s, 1]):
-                c = c_row[j]
-                sn = s_row[j] * sign
-                a = _load(x, xb + j)
-                b = _load(x, xb + j + half)
-                _store(o, ob + j, a * c - b * sn)
-                _store(o, ob + j + half, b * c + a * sn)
-        else:
-            for j in range(seg[s, 0], seg[s, 1]):
-                c = c_row[j]
-                sn = s_row[j] * sign
-                a = _load(x, xb + 2 * j)
-                b = _load(x, xb + 2 * j + 1)
-                _store(o, ob + 2 * j, a * c - b * sn)
-                _store(o, ob + 2 * j + 1, b * c + a * sn)
-    if copy_tail:
-        for j in range(rotary_dim, d):
-            o[ob + j] = x[xb + j]
+    for _ in range(first, stop):
+        _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d,
+             half_style, sign, copy_tail, buf)
+        ax = nlead - 1
+        while ax >= 0:
+            counter[ax] += 1
+            xb += g[t, 1, ax]
+            ob += g[t, 2, ax]
+            pb += g[t, 3, ax]
+            if counter[ax] < g[t, 0, ax]:
+                break
+            xb -= counter[ax] * g[t, 1, ax]
+            ob -= counter[ax] * g[t, 2, ax]
+            pb -= counter[ax] * g[t, 3, ax]
+            counter[ax] = 0
+            ax -= 1
 
 
 @njit(cache=_CACHE)
@@ -183,27 +294,37 @@ def _count_rows(g, t):
 
 
 @njit(cache=_CACHE)
-def rotate_serial(x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half_style, sign,
-                  copy_tail):
-    n1 = _count_rows(g, 0)
-    n2 = _count_rows(g, 1)
-    for r in range(n1):
-        _row(x1, o1, i1, g, 0, r, cos, sin, seg, rotary_dim, d, half_style, sign, copy_tail)
-    for r in range(n2):
-        _row(x2, o2, i2, g, 1, r, cos, sin, seg, rotary_dim, d, half_style, sign, copy_tail)
+def rotate_serial(x1, o1, in_place1, i1, x2, o2, in_place2, i2, g, cos, sin, seg, rotary_dim, d,
+                  half_style, sign, copy_tail):
+    _rows(x1, o1, in_place1, i1, g, 0, 0, _count_rows(g, 0), cos, sin, seg, rotary_dim, d,
+          half_style, sign, copy_tail)
+    _rows(x2, o2, in_place2, i2, g, 1, 0, _count_rows(g, 1), cos, sin, seg, rotary_dim, d,
+          half_style, sign, copy_tail)
+
+
+# Rows per parallel task: enough tasks (up to 256) to balance the threads, and enough rows in
+# each that the per-task index decoding vanishes.
+_MIN_TASK_ROWS = 32
+_MAX_TASKS = 256
 
 
 @njit(cache=_CACHE, parallel=True)
-def rotate_parallel(x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half_style, sign,
-                    copy_tail):
+def rotate_parallel(x1, o1, in_place1, i1, x2, o2, in_place2, i2, g, cos, sin, seg, rotary_dim,
+                    d, half_style, sign, copy_tail):
     n1 = _count_rows(g, 0)
     n2 = _count_rows(g, 1)
-    for r in prange(n1 + n2):
-        if r < n1:
-            _row(x1, o1, i1, g, 0, r, cos, sin, seg, rotary_dim, d, half_style, sign, copy_tail)
+    chunk = max(_MIN_TASK_ROWS, (n1 + n2 + _MAX_TASKS - 1) // _MAX_TASKS)
+    tasks1 = (n1 + chunk - 1) // chunk
+    tasks2 = (n2 + chunk - 1) // chunk
+    for task in prange(tasks1 + tasks2):
+        if task < tasks1:
+            first = task * chunk
+            _rows(x1, o1, in_place1, i1, g, 0, first, min(first + chunk, n1), cos, sin, seg,
+                  rotary_dim, d, half_style, sign, copy_tail)
         else:
-            _row(x2, o2, i2, g, 1, r - n1, cos, sin, seg, rotary_dim, d, half_style, sign,
-                 copy_tail)
+            first = (task - tasks1) * chunk
+            _rows(x2, o2, in_place2, i2, g, 1, first, min(first + chunk, n2), cos, sin, seg,
+                  rotary_dim, d, half_style, sign, copy_tail)
 
 
 @njit(cache=_CACHE)
@@ -222,7 +343,7 @@ def position_range(p):
     return lo, hi, finite
 
 
-_BITS_VIEW = {"float16": np.int16, "bfloat16": np.uint16}
+_F16 = np.dtype(np.float16)
 _geometry_cache = {}
 
 
@@ -254,25 +375,25 @@ def launch(operands, cos, sin, segments, rotary_dim, half_style, inverse):
     """Rotate one or two operands (q and k) in one kernel call.
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), the feature
-    axis contiguous, every stride a whole number of elements; idx int64 of shape
-    (L axes of size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
+    axis contiguous, every stride a whole number of elements, ``out is x`` for in place; idx
+    int64 of shape (L axes of size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
     """
     g = _geometry(operands)
-    flats = []
+    args = []
     for x, out, idx in operands:
         xf = flat_view(x)[0]
         of = xf if out is x else flat_view(out)[0]
-        view = _BITS_VIEW.get(x.dtype.name)
+        # float16 as int16 bits, bfloat16 (the only other 2-byte dtype that gets here) as uint16
+        view = None if x.itemsize != 2 else np.int16 if x.dtype == _F16 else np.uint16
         if view is not None:
-            xf, of = xf.view(view), of.view(view)
-        flats.append((xf, of, flat_view(idx)[0]))
-    if len(flats) == 1:
-        flats.append(flats[0])  # the empty second operand: g[1] has zero rows
+            xf = xf.view(view)
+            of = xf if out is x else of.view(view)
+        args += (xf, of, out is x, flat_view(idx)[0])
+    if len(operands) == 1:
+        args += args  # the second operand has zero rows in g
     size = sum(x.size for x, _, _ in operands)
     kernel = rotate_serial if size < SERIAL_BELOW else rotate_parallel
-    (x1, o1, i1), (x2, o2, i2) = flats
     d = operands[0][0].shape[-1]
     copy_tail = rotary_dim < d and any(out is not x for x, out, _ in operands)
     sign = cos.dtype.type(-1.0 if inverse else 1.0)
-    kernel(x1, o1, i1, x2, o2, i2, g, cos, sin, segments, rotary_dim, d, half_style, sign,
-           copy_tail)
+    kernel(*args, g, cos, sin, segments, rotary_dim, d, half_style, sign, copy_tail)
