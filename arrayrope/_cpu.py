@@ -235,12 +235,13 @@ def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rota
         c = cos[p, j0:j1]
         sn = sin[p, j0:j1]
         # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
+        # It is ``o``, so that a read-only ``x`` still compiles.
         if half_style and in_place:
-            _pairs_half(x, x, xb + j0, xb + j0, rotary_dim // 2, c, sn, sign)
+            _pairs_half(o, o, ob + j0, ob + j0, rotary_dim // 2, c, sn, sign)
         elif half_style:
             _pairs_half(x, o, xb + j0, ob + j0, rotary_dim // 2, c, sn, sign)
         elif in_place:
-            _pairs_interleaved(x, x, xb + 2 * j0, xb + 2 * j0, c, sn, sign)
+            _pairs_interleaved(o, o, ob + 2 * j0, ob + 2 * j0, c, sn, sign)
         else:
             _pairs_interleaved(x, o, xb + 2 * j0, ob + 2 * j0, c, sn, sign)
 

@@ -1,0 +1,178 @@
+"""Behaviour of the public API beyond the maths: layouts, caching, threads, cos_sin, imports."""
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from conftest import BF16, DTYPES, assert_matches, oracle, poisoned
+
+import arrayrope as ar
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape, pos_shape",
+    [
+        ((2, 3, 5, 8), (5,)),  # (B, H, T, d) with (T,)
+        ((2, 3, 5, 8), (2, 1, 5)),  # (B, H, T, d) with (B, 1, T)
+        ((2, 5, 3, 8), (5, 1)),  # (B, T, H, d) with (T, 1)
+        ((2, 5, 3, 8), (2, 5, 1)),  # (B, T, H, d) with (B, T, 1)
+        ((7, 3, 8), (7, 1)),  # packed variable-length (N, H, d)
+        ((8,), ()),  # one vector
+    ],
+)
+def test_position_layouts(rng, dtype, shape, pos_shape):
+    x = rng.standard_normal(shape).astype(dtype)
+    pos = rng.integers(0, 10**5, size=pos_shape)
+    out = poisoned(shape, dtype)
+    ar.rotate(x, pos, out=out)
+    assert_matches(out, oracle(x, pos), x)
+
+
+def test_default_positions_run_along_axis_minus_2(rng):
+    x = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
+    np.testing.assert_array_equal(ar.rotate(x), ar.rotate(x, np.arange(6)))
+    one = rng.standard_normal(8).astype(np.float32)
+    np.testing.assert_array_equal(ar.rotate(one), one)  # a lone vector sits at position 0
+
+
+def test_scalar_position_puts_every_row_there(rng):
+    x = rng.standard_normal((4, 5, 8))
+    np.testing.assert_array_equal(ar.rotate(x, 17), ar.rotate(x, np.full((4, 5), 17)))
+
+
+def test_x_is_never_modified_without_out(rng):
+    x = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    before = x.copy()
+    y = ar.rotate(x, 5)
+    assert y is not x and not np.shares_memory(x, y)
+    np.testing.assert_array_equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_in_place(rng, dtype):
+    x = rng.standard_normal((3, 4, 16)).astype(dtype)
+    expected = ar.rotate(x, 9, rotary_dim=8)
+    assert ar.rotate(x, 9, rotary_dim=8, out=x) is x
+    np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+
+
+def test_fused_qkv_views_in_place(rng):
+    qkv = rng.standard_normal((2, 7, 3, 4, 16)).astype(np.float32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    pos = np.arange(7)[:, None]
+    expected_q, expected_k = ar.rotate(q.copy(), pos), ar.rotate(k.copy(), pos)
+    v_before = v.copy()
+    qr, kr = ar.rotate_qk(q, k, pos, out=(q, k))
+    assert qr is q and kr is k
+    np.testing.assert_array_equal(q, expected_q)
+    np.testing.assert_array_equal(k, expected_k)
+    np.testing.assert_array_equal(v, v_before)
+
+
+def test_large_input_runs_the_parallel_kernel(rng):
+    from arrayrope import _cpu
+
+    x = rng.standard_normal((2, 4, 3000, 32)).astype(np.float32)
+    assert x.size >= _cpu.SERIAL_BELOW
+    pos = rng.integers(0, 10**6, 3000)
+    k = rng.standard_normal((2, 1, 3000, 32)).astype(np.float32)
+    q_out, k_out = poisoned(x.shape, x.dtype), poisoned(k.shape, k.dtype)
+    ar.rotate_qk(x, k, pos, style="half", out=(q_out, k_out))
+    assert_matches(q_out, oracle(x, pos, style="half"), x)
+    assert_matches(k_out, oracle(k, pos, style="half"), k)
+
+
+def test_cache_grows_geometrically_and_serves_large_positions():
+    rope = ar.RoPE(16)
+    x = np.ones((1, 16), np.float32)
+    rope.rotate(x, 10)
+    tables = rope._default.tables._tables
+    (rows,) = {t[0].shape[0] for t in tables.values()}
+    rope.rotate(x, rows)  # one past the end: the table at least doubles, not +1
+    (grown,) = {t[0].shape[0] for t in tables.values()}
+    assert grown >= 2 * rows
+    rope.rotate(x, rows + 1)
+    assert {t[0].shape[0] for t in tables.values()} == {grown}  # no growth per call
+    # Past the cap, positions are exact per call and the cache stays bounded.
+    y = rope.rotate(x, 2**31 - 1)
+    assert_matches(y, oracle(x, 2**31 - 1), x)
+    assert max(t[0].nbytes for t in tables.values()) <= 32 << 20
+
+
+def test_max_positions_builds_once():
+    rope = ar.RoPE(8, max_positions=100)
+    x = np.ones((1, 8), np.float32)
+    rope.rotate(x, 3)
+    (table,) = rope._default.tables._tables.values()
+    assert table[0].shape[0] == 100
+    assert_matches(rope.rotate(x, 100), oracle(x, 100), x)  # past it: exact, still right
+    (same,) = rope._default.tables._tables.values()
+    assert same[0] is table[0]
+
+
+def test_module_functions_share_one_rope():
+    from arrayrope._api import shared_rope
+
+    assert shared_rope(64, 10000.0, "half", None, None) is shared_rope(64, 10000.0, "half", None,
+                                                                       None)
+
+
+def test_concurrent_calls_during_growth():
+    rope = ar.RoPE(32)
+    x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(30):
+            p = int(rng.integers(0, 30000))
+            y = rope.rotate(x, p)
+            if np.abs(y.astype(np.float64) - oracle(x, p)).max() > 1e-5:
+                errors.append(p)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@pytest.mark.parametrize("like", [None, np.zeros(1, np.float64), np.zeros(1, BF16)])
+def test_cos_sin(like):
+    rope = ar.RoPE(16, base=500.0)
+    pos = np.array([[0, 3], [10**6, 7]])
+    cos, sin = rope.cos_sin(pos, like=like)
+    assert cos.shape == sin.shape == (2, 2, 8)
+    assert cos.dtype == (np.float64 if like is not None and like.dtype == np.float64 else
+                         np.float32)
+    angle = pos[..., None] * rope.inv_freq
+    np.testing.assert_allclose(cos, np.cos(angle), atol=1e-7)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=1e-7)
+    np.testing.assert_allclose(rope.inv_freq, 500.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-15)
+    assert rope.inv_freq.dtype == np.float64 and rope.attention_scaling == 1.0
+
+
+def test_empty_arrays():
+    x = np.zeros((0, 4, 8), np.float32)
+    assert ar.rotate(x).shape == (0, 4, 8)
+    assert ar.rotate(x, np.zeros((0, 1), np.int64)).shape == (0, 4, 8)
+
+
+def test_import_and_cpu_call_import_no_gpu_framework():
+    code = (
+        "import sys, numpy as np, arrayrope as ar\n"
+        "ar.rotate(np.ones((2, 8), np.float32), 3)\n"
+        "bad = [m for m in ('cupy', 'torch', 'jax', 'ml_dtypes', 'dask', 'numba.cuda')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_is_light():
+    code = "import sys, arrayrope; assert 'numba' not in sys.modules, 'numba imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True)

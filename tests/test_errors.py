@@ -1,0 +1,155 @@
+"""One test per bad input: a clear RopeError subclass naming the argument, x and out untouched."""
+
+import numpy as np
+import pytest
+
+import arrayrope as ar
+from arrayrope import BackendUnavailableError, RopeTypeError, RopeValueError
+
+
+@pytest.fixture
+def x():
+    return np.random.default_rng().standard_normal((2, 3, 8)).astype(np.float32)
+
+
+def _unchanged(fn, *arrays):
+    before = [a.copy() for a in arrays]
+    fn()
+    for a, b in zip(arrays, before):
+        np.testing.assert_array_equal(a, b)
+
+
+CASES = [
+    # (keyword arguments, exception, words the message must hold)
+    ({"pos": np.arange(4)}, RopeValueError, ["pos", "(4,)", "(2, 3)"]),
+    ({"pos": -1}, RopeValueError, ["pos", "-1"]),
+    ({"pos": np.array([0, -5, 1])}, RopeValueError, ["non-negative", "-5"]),
+    ({"pos": np.array([0.0, np.nan, 1.0])}, RopeValueError, ["finite"]),
+    ({"pos": np.array([0.0, np.inf, 1.0])}, RopeValueError, ["finite"]),
+    ({"pos": 2**31}, RopeValueError, ["2**31", str(2**31)]),
+    ({"pos": np.array([0, 2**31, 1])}, RopeValueError, ["2**31"]),
+    ({"pos": np.array([True, False, True])}, RopeTypeError, ["pos", "bool"]),
+    ({"pos": "abc"}, RopeTypeError, ["pos"]),
+    ({"rotary_dim": 5}, RopeValueError, ["rotary_dim", "even", "(8)", "5"]),
+    ({"rotary_dim": 10}, RopeValueError, ["rotary_dim", "<= head_dim (8)", "10"]),
+    ({"rotary_dim": 2.5}, RopeTypeError, ["rotary_dim", "2.5"]),
+    ({"style": "neox"}, RopeValueError, ["style", "'neox'"]),
+    ({"backend": "torch"}, RopeValueError, ["backend", "'torch'"]),
+    ({"backend": "cupy"}, RopeValueError, ["backend='cupy'", "NumPy"]),
+    ({"backend": "numba-cuda"}, RopeValueError, ["backend='numba-cuda'", "NumPy"]),
+    ({"base": -3.0}, RopeValueError, ["base", "-3.0"]),
+    ({"base": "x"}, RopeTypeError, ["base"]),
+    ({"inverse": "yes"}, RopeTypeError, ["inverse", "'yes'"]),
+    ({"out": np.zeros((2, 3, 6), np.float32)}, RopeValueError, ["out", "(2, 3, 8)", "(2, 3, 6)"]),
+    ({"out": np.zeros((2, 3, 8), np.float64)}, RopeValueError, ["out", "float32", "float64"]),
+    ({"out": [1, 2]}, RopeTypeError, ["out", "list"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, words", CASES, ids=[str(c[0])[:40] for c in CASES])
+def test_bad_argument(x, kwargs, error, words):
+    out = kwargs.get("out")
+    arrays = [x] + ([out] if isinstance(out, np.ndarray) else [])
+    with pytest.raises(error) as info:
+        _unchanged(lambda: ar.rotate(x, **kwargs), *arrays)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+    # The family lets callers catch by built-in type.
+    assert isinstance(info.value, (ValueError, TypeError))
+    for a, before in zip(arrays, [a.copy() for a in arrays]):
+        np.testing.assert_array_equal(a, before)
+
+
+def test_odd_feature_size():
+    with pytest.raises(RopeValueError, match=r"x.shape\[-1\] must be even, got 7"):
+        ar.rotate(np.zeros((3, 7), np.float32))
+
+
+def test_odd_head_dim():
+    with pytest.raises(RopeValueError, match="head_dim must be even, got 9"):
+        ar.RoPE(9)
+
+
+def test_head_dim_mismatch():
+    with pytest.raises(RopeValueError, match=r"x.shape\[-1\] must equal head_dim \(16\), got 8"):
+        ar.RoPE(16).rotate(np.zeros((3, 8), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.complex64, np.bool_, np.float16])
+def test_non_float_x(dtype):
+    x = np.zeros((3, 8), dtype)
+    if dtype is np.float16:
+        assert ar.rotate(x).dtype == np.float16  # the control: float16 is accepted
+        return
+    with pytest.raises(RopeTypeError, match=f"x must be float16, bfloat16, float32 or float64, "
+                       f"got dtype {np.dtype(dtype)}"):
+        ar.rotate(x)
+
+
+def test_zero_d_x():
+    with pytest.raises(RopeValueError, match="0-d"):
+        ar.rotate(np.float32(3.0))
+    with pytest.raises(RopeValueError, match="0-d"):
+        ar.RoPE(2).rotate(np.zeros((), np.float32))
+
+
+def test_not_an_array():
+    with pytest.raises(RopeTypeError, match="x must be a NumPy or CuPy array, got builtins.list"):
+        ar.rotate([[1.0, 2.0]])
+
+
+def test_partial_overlap_of_out_and_x(x):
+    buffer = np.zeros((2, 3, 9), np.float32)
+    shifted_in, shifted_out = buffer[..., :8], buffer[..., 1:]
+    shifted_in[...] = x
+    before = buffer.copy()
+    with pytest.raises(RopeValueError, match="overlaps x partially"):
+        ar.rotate(shifted_in, out=shifted_out)
+    np.testing.assert_array_equal(buffer, before)
+
+
+def test_exact_alias_is_in_place(x):
+    expected = ar.rotate(x, 3)
+    alias = x[...]  # another view object on the same memory
+    assert ar.rotate(x, 3, out=alias) is alias
+    np.testing.assert_array_equal(x, expected)
+
+
+def test_read_only_out(x):
+    x.flags.writeable = False
+    with pytest.raises(RopeValueError, match="out is read-only"):
+        ar.rotate(x, out=x)
+    assert ar.rotate(x).shape == x.shape  # reading a read-only x is fine
+
+
+def test_rotate_qk_errors(x):
+    k = np.zeros((2, 3, 8), np.float64)
+    with pytest.raises(RopeTypeError, match="q and k must share a dtype"):
+        ar.rotate_qk(x, k)
+    with pytest.raises(RopeValueError, match=r"k.shape\[-1\] must equal head_dim \(8\), got 4"):
+        ar.rotate_qk(x, np.zeros((2, 3, 4), np.float32))
+    with pytest.raises(RopeTypeError, match="out must be None or a pair"):
+        ar.rotate_qk(x, x.copy(), out=x)
+    k = x.copy()
+    with pytest.raises(RopeValueError, match=r"out\[0\] is k"):
+        ar.rotate_qk(x, k, out=(k, x))
+    with pytest.raises(RopeValueError, match="pos of shape"):
+        ar.rotate_qk(x, np.zeros((2, 5, 8), np.float32), np.arange(3))
+
+
+def test_seq_len_checked():
+    from arrayrope.scaling import DynamicNTK
+
+    rope = ar.RoPE(8, scaling=DynamicNTK(2.0, 16))
+    with pytest.raises(RopeValueError, match="seq_len must be >= 1, got 0"):
+        rope.rotate(np.zeros((3, 8), np.float32), seq_len=0)
+
+
+def test_unavailable_gpu_backend_names_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    from arrayrope import _cuda_cupy
+
+    with pytest.raises(BackendUnavailableError, match="pip install"):
+        _cuda_cupy.require_cupy()

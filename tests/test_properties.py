@@ -1,0 +1,229 @@
+"""Hypothesis property tests: the invariants of the rotation, on every dtype, style and layout."""
+
+import numpy as np
+import pytest
+from conftest import (
+    DTYPES,
+    assert_matches,
+    matrix_oracle,
+    oracle,
+    poisoned,
+    random_array,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+import arrayrope as ar
+
+BACKENDS = ["numba", "numpy"]
+
+
+def bits(a):
+    """The bytes of a, for bit-exact comparisons (nan payloads included)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@st.composite
+def configs(draw, dtypes=DTYPES, max_lead=3):
+    lead = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=max_lead)))
+    d = 2 * draw(st.integers(1, 24))
+    rotary_dim = 2 * draw(st.integers(1, d // 2))
+    return {
+        "lead": lead,
+        "d": d,
+        "rotary_dim": rotary_dim,
+        "style": draw(st.sampled_from(["interleaved", "half"])),
+        "dtype": draw(st.sampled_from(dtypes)),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+positions = st.one_of(
+    st.integers(0, 100),
+    st.integers(0, 2**31 - 1),
+    st.floats(0, 1e7, allow_nan=False),
+)
+
+
+def _setup(cfg):
+    rng = np.random.default_rng(cfg["seed"])
+    x = random_array(rng, cfg["lead"] + (cfg["d"],), cfg["dtype"])
+    kw = {"style": cfg["style"], "rotary_dim": cfg["rotary_dim"]}
+    return rng, x, kw
+
+
+def _positions_for(rng, lead, large):
+    top = 2**31 - 1 if large else 4096
+    return rng.integers(0, top, size=lead)
+
+
+@given(configs(), st.booleans(), st.sampled_from(BACKENDS))
+def test_matches_float64_oracle(cfg, large, backend):
+    rng, x, kw = _setup(cfg)
+    pos = _positions_for(rng, cfg["lead"], large)
+    out = poisoned(x.shape, x.dtype)
+    y = ar.rotate(x, pos, out=out, backend=backend, **kw)
+    assert y is out and y.dtype == x.dtype
+    assert_matches(y, oracle(x, pos, **kw), x)
+
+
+@given(configs(), st.floats(0, 1e6, allow_nan=False))
+def test_real_valued_positions_are_exact(cfg, offset):
+    rng, x, kw = _setup(cfg)
+    pos = rng.random(cfg["lead"]) * 1000 + offset
+    assert_matches(ar.rotate(x, pos, **kw), oracle(x, pos, **kw), x)
+
+
+@given(configs(dtypes=[np.dtype(np.float64), np.dtype(np.float32)]), positions)
+def test_pair_norms_are_preserved(cfg, m):
+    _, x, kw = _setup(cfg)
+    y = ar.rotate(x, m, **kw).astype(np.float64)
+    x64 = x.astype(np.float64)
+    rot = kw["rotary_dim"]
+    if kw["style"] == "interleaved":
+        first, second = np.arange(0, rot, 2), np.arange(1, rot, 2)
+    else:
+        first, second = np.arange(rot // 2), np.arange(rot // 2, rot)
+    before = np.hypot(x64[..., first], x64[..., second])
+    after = np.hypot(y[..., first], y[..., second])
+    tol = 1e-12 if x.dtype == np.float64 else 2e-6
+    np.testing.assert_allclose(after, before, rtol=tol, atol=tol)
+
+
+@given(configs(dtypes=[np.dtype(np.float64)], max_lead=1), st.integers(0, 10**6),
+       st.integers(0, 10**6), st.integers(0, 10**6))
+def test_relative_position(cfg, m, n, shift):
+    rng, q, kw = _setup(cfg)
+    k = random_array(rng, q.shape, q.dtype)
+
+    def score(a, b):
+        return np.sum(ar.rotate(q, a, **kw) * ar.rotate(k, b, **kw), axis=-1)
+
+    base = score(m, n)
+    np.testing.assert_allclose(score(m + shift, n + shift), base, rtol=1e-9, atol=1e-9)
+    # It depends only on m - n: the same gap anchored at zero gives the same score.
+    low = min(m, n)
+    np.testing.assert_allclose(score(m - low, n - low), base, rtol=1e-9, atol=1e-9)
+
+
+@given(configs(), positions, st.sampled_from(BACKENDS))
+def test_inverse_undoes(cfg, m, backend):
+    _, x, kw = _setup(cfg)
+    back = ar.rotate(ar.rotate(x, m, backend=backend, **kw), m, inverse=True, backend=backend,
+                     **kw)
+    # Two roundings of the dtype at most (one per rotation).
+    rel = {np.float16: 2**-9, np.float32: 2**-20, np.float64: 2**-47}.get(x.dtype.type, 2**-6)
+    scale = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True)
+    assert (np.abs(back.astype(np.float64) - x.astype(np.float64)) <= rel * scale + 1e-7).all()
+    # The inverse is the rotation by -angle: the oracle's transpose.
+    assert_matches(ar.rotate(x, m, inverse=True, **kw), oracle(x, m, inverse=True, **kw), x)
+
+
+@given(configs(dtypes=[np.dtype(np.float64)]), st.integers(0, 10**6), st.integers(0, 10**6))
+def test_composition_adds_positions(cfg, m, n):
+    _, x, kw = _setup(cfg)
+    twice = ar.rotate(ar.rotate(x, m, **kw), n, **kw)
+    np.testing.assert_allclose(twice, ar.rotate(x, m + n, **kw), rtol=0, atol=1e-9)
+
+
+@given(configs())
+def test_position_zero_is_identity(cfg):
+    _, x, kw = _setup(cfg)
+    np.testing.assert_array_equal(bits(ar.rotate(x, 0, **kw)), bits(x))
+
+
+@given(st.integers(1, 16), st.integers(0, 10**5), st.integers(0, 2**32 - 1),
+       st.floats(2.0, 1e6))
+def test_equals_the_block_diagonal_matrix_of_eq15(pairs, m, seed, base):
+    x = np.random.default_rng(seed).standard_normal(2 * pairs)
+    y = ar.rotate(x, m, base=base)
+    np.testing.assert_allclose(y, matrix_oracle(x, m, base), rtol=0, atol=1e-11)
+
+
+@given(configs())
+def test_half_equals_interleaved_under_permutation(cfg):
+    rng, x, kw = _setup(cfg)
+    rot = kw["rotary_dim"]
+    pos = _positions_for(rng, cfg["lead"], False)
+    # "half" pairs (i, i + rot/2); moving feature i to 2i and i + rot/2 to 2i + 1 gives "interleaved".
+    perm = np.concatenate([np.stack([np.arange(rot // 2), np.arange(rot // 2, rot)], 1).ravel(),
+                           np.arange(rot, x.shape[-1])])
+    half = ar.rotate(x, pos, style="half", rotary_dim=rot)
+    inter = ar.rotate(np.ascontiguousarray(x[..., perm]), pos, style="interleaved", rotary_dim=rot)
+    np.testing.assert_array_equal(bits(half[..., perm]), bits(inter))
+
+
+@given(configs(), st.sampled_from(BACKENDS))
+def test_tail_is_bit_identical(cfg, backend):
+    rng, x, kw = _setup(cfg)
+    x.reshape(-1, x.shape[-1])[:, -1:] = np.nan  # nan payloads must pass through too
+    y = ar.rotate(x, _positions_for(rng, cfg["lead"], True), backend=backend, **kw)
+    rot = kw["rotary_dim"]
+    np.testing.assert_array_equal(bits(y[..., rot:]), bits(x[..., rot:]))
+
+
+@given(configs(), st.sampled_from(["reverse", "step", "fused", "features"]),
+       st.sampled_from(["new", "out", "inplace"]))
+def test_strided_views_match_contiguous(cfg, layout, mode):
+    rng, _, kw = _setup(cfg)
+    lead, d = cfg["lead"] or (1,), cfg["d"]
+    big = random_array(rng, (3,) + tuple(2 * n for n in lead) + (2 * d,), cfg["dtype"])
+    def window(buffer):
+        if layout == "reverse":
+            return buffer[1][tuple(slice(None, None, -2) for _ in lead)][..., :d]
+        if layout == "step":
+            return buffer[0][tuple(slice(1, None, 2) for _ in lead)][..., d:]
+        if layout == "fused":  # q in a fused buffer: leading strides step over other heads
+            return buffer[2][tuple(slice(0, n) for n in lead)][..., :d]
+        # a feature axis that is not contiguous: correct through a temporary
+        return buffer[0][tuple(slice(0, n) for n in lead)][..., ::2]
+
+    view = window(big)
+    pos = _positions_for(rng, view.shape[:-1], False)
+    expected = ar.rotate(np.ascontiguousarray(view), pos, **kw)
+    before = big.copy()
+    if mode == "new":
+        got = ar.rotate(view, pos, **kw)
+        np.testing.assert_array_equal(bits(big), bits(before))
+    elif mode == "out":
+        got = ar.rotate(view, pos, out=poisoned(view.shape, view.dtype), **kw)
+    else:
+        got = ar.rotate(view, pos, out=view, **kw)
+        assert got is view
+        # Everything outside the view is untouched.
+        window(before)[...] = expected
+        np.testing.assert_array_equal(bits(big), bits(before))
+    np.testing.assert_array_equal(bits(got), bits(expected))
+
+
+@given(configs(max_lead=2), st.integers(1, 4), st.sampled_from(BACKENDS))
+def test_rotate_qk_matches_rotate(cfg, group, backend):
+    rng, q, kw = _setup(cfg)
+    lead = cfg["lead"] or (1,)
+    q = random_array(rng, lead + (cfg["d"],), cfg["dtype"])
+    # Grouped-query attention: k has fewer heads on the axis before the positions.
+    k_lead = lead[:-2] + (max(1, lead[-2] // group),) + lead[-1:] if len(lead) > 1 else lead
+    k = random_array(rng, k_lead + (cfg["d"],), cfg["dtype"])
+    pos = rng.integers(0, 10**6, size=lead[-1])
+    qr, kr = ar.rotate_qk(q, k, pos, backend=backend, **kw)
+    np.testing.assert_array_equal(bits(qr), bits(ar.rotate(q, pos, **kw)))
+    np.testing.assert_array_equal(bits(kr), bits(ar.rotate(k, pos, **kw)))
+
+
+@given(configs(), st.booleans())
+def test_backends_agree(cfg, inverse):
+    rng, x, kw = _setup(cfg)
+    pos = _positions_for(rng, cfg["lead"], True)
+    kernel = ar.rotate(x, pos, inverse=inverse, backend="numba", **kw)
+    reference = ar.rotate(x, pos, inverse=inverse, backend="numpy", **kw)
+    # Same float32/float64 operations in the same order: the results agree bit for bit.
+    np.testing.assert_array_equal(bits(kernel), bits(reference))
+
+
+@pytest.mark.parametrize("m", [10, 1000, 10**5, 10**6, 2**24 - 1, 2**31 - 1])
+def test_float32_is_exact_at_large_positions(m):
+    x = np.random.default_rng(m).standard_normal((4, 128)).astype(np.float32)
+    y = ar.rotate(x, m)
+    err = np.abs(y.astype(np.float64) - oracle(x, m)).max()
+    ulp = np.spacing(np.float32(np.abs(x).max()))
+    assert err <= 4 * ulp, f"position {m}: error {err:.3g} is {err / ulp:.1f} float32 ulps"
