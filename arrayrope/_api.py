@@ -342,7 +342,6 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
     cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
                             _seq_len(rope, seq_len, high))
     results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
-    half_style = rope.style == "half"
 
     if launch is None:
         cos_rows, sin_rows = _gather(rope, xp, cos, sin, idx)
@@ -355,7 +354,7 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
     fresh = results if outs is None else (None,) * len(xs)
     operands, write_back = _kernel_operands(xs, results, idx, xp, family, fresh)
     if operands:
-        launch(operands, cos, sin, rope._segments, rope.rotary_dim, half_style, bool(inverse))
+        launch(rope, operands, cos, sin, bool(inverse))
     for temp, out in write_back:
         out[...] = temp
     return results

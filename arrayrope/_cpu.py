@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from ._layout import flat_view
+from ._layout import flat_view, geometry
 
 # Inputs below this many elements run on one thread: a parallel launch costs ~2 µs and can stall
 # for milliseconds after an idle gap, more than the whole work of a decode step.
@@ -345,41 +345,16 @@ def position_range(p):
 
 
 _F16 = np.dtype(np.float16)
-_geometry_cache = {}
 
 
-def _geometry(operands):
-    """The (2, 4, L + 1) geometry of the operands, memoized on shapes and strides."""
-    key = tuple((x.shape, x.strides, o.strides, i.shape, i.strides) for x, o, i in operands)
-    g = _geometry_cache.get(key)
-    if g is not None:
-        return g
-    nlead = operands[0][0].ndim - 1
-    g = np.zeros((2, 4, nlead + 1), dtype=np.int64)
-    for t, (x, out, idx) in enumerate(operands):
-        g[t, 0, :nlead] = x.shape[:-1]
-        g[t, 0, nlead] = 0 if idx.shape[-1] == 1 else idx.strides[-1] // idx.itemsize
-        for row, a in ((1, x), (2, out)):
-            g[t, row, :nlead] = [s // a.itemsize for s in a.strides[:-1]]
-            g[t, row, nlead] = flat_view(a)[1]
-        g[t, 3, :nlead] = [
-            0 if n == 1 else s // idx.itemsize for n, s in zip(idx.shape[:-1], idx.strides[:-1])
-        ]
-        g[t, 3, nlead] = flat_view(idx)[1]
-    if len(_geometry_cache) > 256:
-        _geometry_cache.clear()
-    _geometry_cache[key] = g
-    return g
-
-
-def launch(operands, cos, sin, segments, rotary_dim, half_style, inverse):
+def launch(rope, operands, cos, sin, inverse):
     """Rotate one or two operands (q and k) in one kernel call.
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), the feature
     axis contiguous, every stride a whole number of elements, ``out is x`` for in place; idx
     int64 of shape (L axes of size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
     """
-    g = _geometry(operands)
+    g = geometry(operands, flat=True)
     args = []
     for x, out, idx in operands:
         xf = flat_view(x)[0]
@@ -395,6 +370,7 @@ def launch(operands, cos, sin, segments, rotary_dim, half_style, inverse):
     size = sum(x.size for x, _, _ in operands)
     kernel = rotate_serial if size < SERIAL_BELOW else rotate_parallel
     d = operands[0][0].shape[-1]
-    copy_tail = rotary_dim < d and any(out is not x for x, out, _ in operands)
+    copy_tail = rope.rotary_dim < d and any(out is not x for x, out, _ in operands)
     sign = cos.dtype.type(-1.0 if inverse else 1.0)
-    kernel(*args, g, cos, sin, segments, rotary_dim, d, half_style, sign, copy_tail)
+    kernel(*args, g, cos, sin, rope._segments, rope.rotary_dim, d, rope.style == "half", sign,
+           copy_tail)

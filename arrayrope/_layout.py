@@ -9,6 +9,14 @@ contiguous; callers route other layouts through a contiguous temporary.
 import numpy as np
 
 
+def _as_strided(a):
+    if type(a).__module__.startswith("cupy"):
+        from cupy.lib.stride_tricks import as_strided
+    else:
+        as_strided = np.lib.stride_tricks.as_strided
+    return as_strided
+
+
 def flat_view(a):
     """A 1-D view over the memory ``a`` spans, and the element offset of ``a[0, ..., 0]`` in it.
 
@@ -28,11 +36,48 @@ def flat_view(a):
     # The view that starts at the lowest address: the last index along each descending axis.
     start = a[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(a.shape, a.strides))]
     span = (high - low) // item + 1
-    flat = np.lib.stride_tricks.as_strided(start, shape=(span,), strides=(item,))
+    flat = _as_strided(a)(start, shape=(span,), strides=(item,))
     return flat, -low // item
 
 
-def element_strides(a, ndim):
-    """The strides of the first ``ndim`` axes of ``a``, in elements."""
-    item = a.itemsize
-    return [s // item for s in a.strides[:ndim]]
+_geometry_cache = {}
+
+
+def geometry(operands, flat):
+    """The int64 geometry of one or two (x, out, idx) operands, shape (2, 4, L + 1).
+
+    Per operand t, in elements:
+      g[t, 0, :L] leading sizes        g[t, 0, L] stride of idx's axes dimension (0: one axis)
+      g[t, 1, :L] x strides            g[t, 1, L] x offset
+      g[t, 2, :L] out strides          g[t, 2, L] out offset
+      g[t, 3, :L] idx strides          g[t, 3, L] idx offset
+    Offsets are into ``flat_view`` buffers when ``flat``, else 0 (addresses from element 0, with
+    signed strides). A missing second operand has zero rows. Memoized on shapes and strides.
+    """
+    key = (flat,) + tuple((x.shape, x.strides, o.strides, i.shape, i.strides) for x, o, i in operands)
+    g = _geometry_cache.get(key)
+    if g is not None:
+        return g
+    nlead = operands[0][0].ndim - 1
+    g = np.zeros((2, 4, nlead + 1), dtype=np.int64)
+    for t, (x, out, idx) in enumerate(operands):
+        g[t, 0, :nlead] = x.shape[:-1]
+        g[t, 0, nlead] = 0 if idx.shape[-1] == 1 else idx.strides[-1] // idx.itemsize
+        for row, a in ((1, x), (2, out)):
+            g[t, row, :nlead] = [s // a.itemsize for s in a.strides[:-1]]
+        g[t, 3, :nlead] = [
+            0 if n == 1 else s // idx.itemsize for n, s in zip(idx.shape[:-1], idx.strides[:-1])
+        ]
+        if flat:
+            g[t, 1, nlead] = flat_view(x)[1]
+            g[t, 2, nlead] = flat_view(out)[1]
+            g[t, 3, nlead] = flat_view(idx)[1]
+    if len(_geometry_cache) > 256:
+        _geometry_cache.clear()
+    _geometry_cache[key] = g
+    return g
+
+
+def rows(g, t):
+    """The number of rows of operand t."""
+    return int(np.prod(g[t, 0, :-1]))

@@ -4,11 +4,40 @@
 float64 arithmetic, pairs chosen by style. ``matrix_oracle`` builds R^d_{Theta,m} of Eq. 15.
 """
 
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+import os
+import shutil
+
+# Without a GPU, numba.cuda kernels run under Numba's CUDA simulator. The switch is read when
+# Numba is first imported, so it is set here, before any test module imports it.
+GPU_PRESENT = os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+if not GPU_PRESENT:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 tests need ml_dtypes")
+
+
+def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np):
+    """Rotate ``xs`` through one backend's launcher, on the API's own position and table path.
+
+    For kernels the API cannot route NumPy arrays to (numba.cuda under the simulator).
+    """
+    from arrayrope import _api
+
+    outs = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
+    values, is_int, high = _api._positions(rope, pos, [x.shape[:-1] for x in xs])
+    dtype = _api._table_dtype(xs[0].dtype)
+    device = None if xp is np else xs[0].device.id
+    cos, sin, idx = _api._tables(rope, values, is_int, high, xp, device, dtype, None)
+    operands, write_back = _api._kernel_operands(xs, outs, idx, xp, "numpy" if xp is np else
+                                                 "cupy", (None,) * len(xs))
+    launch(rope, operands, cos, sin, inverse)
+    for temp, out in write_back:
+        out[...] = temp
+    return outs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]

@@ -1,0 +1,204 @@
+"""numba.cuda kernels and their launcher.
+
+The same maths as the CuPy kernels, written independently in Python, for users who want no CuPy
+kernels and as a second GPU implementation for the tests to compare. Under Numba's CUDA simulator
+(NUMBA_ENABLE_CUDASIM=1) the same kernels run on the CPU, which is how CI tests them.
+
+Operands are flat 1-D views with element offsets (``arrayrope._layout``); launch geometry matches
+the CuPy backend: ``block=(32, ROWS_PER_BLOCK)``, warp lanes across the pairs of a row.
+"""
+
+import numpy as np
+
+from ._errors import BackendUnavailableError
+from ._layout import flat_view, geometry, rows
+
+try:
+    # A module global, not a closure variable: the simulator swaps the kernels' global ``cuda``
+    # for its thread-aware fake. This module itself is imported only when the backend is used.
+    from numba import cuda
+except ImportError:
+    cuda = None
+
+ROWS_PER_BLOCK = 8
+LANES = 32
+
+
+def require_numba_cuda():
+    if cuda is None:
+        raise BackendUnavailableError(
+            "backend 'numba-cuda' needs numba-cuda: pip install 'arrayrope[cuda12]' (or [cuda13])"
+        )
+    return cuda
+
+
+def _bit_casts():
+    """float32 <-> uint32 reinterpretation: libdevice on a GPU, NumPy views in the simulator."""
+    if _simulated():
+
+        def as_float(bits):
+            return np.uint32(bits).view(np.float32)
+
+        def as_bits(value):
+            return np.float32(value).view(np.uint32)
+
+        return as_float, as_bits
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def as_float(bits):
+        return libdevice.int_as_float(np.int32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def as_bits(value):
+        return np.uint32(libdevice.float_as_int(value))
+
+    return as_float, as_bits
+
+
+def _simulated():
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+_kernels = {}
+
+
+def _kernel(bf16_bits, half_style, compute):
+    """The kernel for one storage kind, pair style and compute dtype, built once."""
+    key = (bf16_bits, half_style, compute)
+    if key in _kernels:
+        return _kernels[key]
+    as_float, as_bits = _bit_casts()
+
+    if bf16_bits:
+
+        @cuda.jit(device=True, inline=True)
+        def load(a, i):
+            return as_float(np.uint32(a[i]) << np.uint32(16))
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, value):
+            u = as_bits(value)
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # nan stays a quiet nan
+                a[i] = np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+            else:  # round half to even on the 16 dropped bits
+                odd = (u >> np.uint32(16)) & np.uint32(1)
+                a[i] = np.uint16((u + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+
+    else:
+        # float16 is widened here and narrowed (half to even) by the store; half types compute
+        # in float32, float64 in float64.
+        @cuda.jit(device=True, inline=True)
+        def load(a, i):
+            return compute(a[i])
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, value):
+            a[i] = value
+
+    @cuda.jit
+    def rope_kernel(x1, o1, i1, x2, o2, i2, g, cos, sin, pair_axis, rotary_dim, d, sign,
+                    copy_tail, n1, n2):
+        row = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+        t = 0
+        if row >= n1:
+            row -= n1
+            t = 1
+            if row >= n2:
+                return
+        x = x1 if t == 0 else x2
+        o = o1 if t == 0 else o2
+        idx = i1 if t == 0 else i2
+        nlead = g.shape[2] - 1
+        xb = g[t, 1, nlead]
+        ob = g[t, 2, nlead]
+        pb = g[t, 3, nlead]
+        rem = row
+        for ax in range(nlead - 1, -1, -1):
+            n = g[t, 0, ax]
+            i = rem % n
+            rem //= n
+            xb += i * g[t, 1, ax]
+            ob += i * g[t, 2, ax]
+            pb += i * g[t, 3, ax]
+        axis_stride = g[t, 0, nlead]
+        half = rotary_dim // 2
+        j = cuda.threadIdx.x
+        while j < half:
+            p = idx[pb + pair_axis[j] * axis_stride]
+            c = cos[p, j]
+            s = sin[p, j] * sign
+            if half_style:
+                ia = j
+                ib = j + half
+            else:
+                ia = 2 * j
+                ib = 2 * j + 1
+            a = load(x, xb + ia)
+            b = load(x, xb + ib)
+            store(o, ob + ia, a * c - b * s)
+            store(o, ob + ib, b * c + a * s)
+            j += cuda.blockDim.x
+        if copy_tail:
+            j = rotary_dim + cuda.threadIdx.x
+            while j < d:
+                o[ob + j] = x[xb + j]
+                j += cuda.blockDim.x
+
+    _kernels[key] = rope_kernel
+    return rope_kernel
+
+
+def launch(rope, operands, cos, sin, inverse):
+    """Rotate one or two operands in one launch; same contract as :func:`arrayrope._cpu.launch`.
+
+    Operands are CuPy arrays on a GPU, or NumPy arrays under the CUDA simulator.
+    """
+    require_numba_cuda()
+    x0 = operands[0][0]
+    if isinstance(x0, np.ndarray):
+        # Host arrays (the simulator): each distinct buffer goes over once and comes back once.
+        # Left to the kernel call, the same buffer passed in two slots would be copied back
+        # twice, the stale copy last.
+        moved = {}
+
+        def to_device(a):
+            if id(a) not in moved:
+                moved[id(a)] = (a, cuda.to_device(a))
+            return moved[id(a)][1]
+    else:
+        import cupy
+
+        moved = None
+        to_device = cupy.asarray
+
+    g = geometry(operands, flat=True)
+    bf16_bits = x0.dtype.itemsize == 2 and x0.dtype != np.float16
+    args, written = [], []
+    for x, out, idx in operands:
+        xf = flat_view(x)[0]
+        of = xf if out is x else flat_view(out)[0]
+        if bf16_bits:
+            xf = xf.view(np.uint16)
+            of = xf if out is x else of.view(np.uint16)
+        args += (to_device(xf), to_device(of), to_device(flat_view(to_device(idx))[0]))
+        written.append(of)
+    if len(operands) == 1:
+        args += args  # the second operand has zero rows
+    n1 = rows(g, 0)
+    n2 = rows(g, 1) if len(operands) == 2 else 0
+    d = x0.shape[-1]
+    compute = np.float64 if x0.dtype == np.float64 else np.float32
+    kernel = _kernel(bf16_bits, rope.style == "half", compute)
+    copy_tail = rope.rotary_dim < d and any(o is not x for x, o, _ in operands)
+    blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    kernel[(blocks,), (LANES, ROWS_PER_BLOCK)](
+        *args, to_device(g), to_device(cos), to_device(sin), to_device(rope._pair_axis),
+        np.int64(rope.rotary_dim), np.int64(d), compute(-1.0 if inverse else 1.0), copy_tail,
+        np.int64(n1), np.int64(n2),
+    )
+    if moved is not None:
+        for of in written:
+            moved[id(of)][1].copy_to_host(of)

@@ -1,0 +1,96 @@
+"""The numba.cuda kernels: under Numba's CUDA simulator here, on the GPU where there is one.
+
+Small shapes: the simulator runs every GPU thread as a Python thread.
+"""
+
+import numpy as np
+import pytest
+from conftest import DTYPES, GPU_PRESENT, assert_matches, oracle, poisoned, run_launcher
+
+import arrayrope as ar
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+if not GPU_PRESENT and not cuda.is_available():
+    pytest.skip("numba.cuda is neither simulated nor backed by a GPU", allow_module_level=True)
+
+from arrayrope import _cuda_numba  # noqa: E402
+
+if GPU_PRESENT:
+    xp = pytest.importorskip("cupy", reason="GPU numba-cuda tests take CuPy arrays")
+else:
+    xp = np
+
+
+def _to_host(a):
+    return a if xp is np else a.get()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary_dim", [8, 12])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_matches_oracle(dtype, style, rotary_dim, inverse):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 3, 12)).astype(dtype)
+    pos = rng.integers(0, 10**6, size=3)
+    rope = ar.RoPE(12, style=style, rotary_dim=rotary_dim)
+    out = xp.asarray(poisoned(x.shape, dtype))
+    (y,) = run_launcher(_cuda_numba.launch, rope, (xp.asarray(x),), pos, inverse=inverse,
+                        outs=(out,), xp=xp)
+    expected = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+    assert_matches(_to_host(y), expected, x)
+    reference = ar.rotate(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+    tail = _to_host(y)[..., rotary_dim:]
+    np.testing.assert_array_equal(tail.view(np.uint8), x[..., rotary_dim:].view(np.uint8))
+    if dtype != np.float64:  # float32 arithmetic either way: at most one rounding apart
+        got = _to_host(y).astype(np.float64)
+        np.testing.assert_allclose(got, reference.astype(np.float64), rtol=0,
+                                   atol=float(np.abs(x).max()) * 2.0**-7)
+
+
+@pytest.mark.parametrize("layout", ["reverse", "fused", "features", "inplace", "float-pos"])
+def test_layouts(layout):
+    rng = np.random.default_rng()
+    big = rng.standard_normal((3, 4, 5, 16)).astype(np.float32)
+    pos = rng.integers(0, 5000, size=(4, 1))
+    rope = ar.RoPE(8, style="half")
+    if layout == "reverse":
+        view = big[1, ::-1, ::-2, :8]
+    elif layout == "fused":
+        view = big[:2, :, 1, 8:]
+        pos = rng.integers(0, 5000, size=(1, 4))
+    elif layout == "features":
+        view = big[0, :, :3, ::2]
+    else:
+        view = big[2, :, :2, :8]
+    if layout == "float-pos":
+        pos = rng.random((4, 1)) * 1e5
+    host = np.ascontiguousarray(view)
+    expected = ar.rotate(host, pos, style="half")
+    device = xp.asarray(big)
+    dview = {"reverse": lambda b: b[1, ::-1, ::-2, :8], "fused": lambda b: b[:2, :, 1, 8:],
+             "features": lambda b: b[0, :, :3, ::2]}.get(layout, lambda b: b[2, :, :2, :8])(device)
+    outs = (dview,) if layout == "inplace" else None
+    (y,) = run_launcher(_cuda_numba.launch, rope, (dview,), pos, outs=outs, xp=xp)
+    np.testing.assert_allclose(_to_host(y), expected, rtol=0, atol=2e-6)
+
+
+def test_rotate_qk_grouped_heads_in_one_launch():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((4, 3, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    pos = rng.integers(0, 10**5, size=3)
+    rope = ar.RoPE(8)
+    qr, kr = run_launcher(_cuda_numba.launch, rope, (xp.asarray(q), xp.asarray(k)), pos, xp=xp)
+    np.testing.assert_allclose(_to_host(qr), ar.rotate(q, pos), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(_to_host(kr), ar.rotate(k, pos), rtol=0, atol=2e-6)
+
+
+def test_multi_axis_positions():
+    rng = np.random.default_rng()
+    rope = ar.RoPE.sectioned(16, (2, 3, 3), style="half")
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    pos = rng.integers(0, 1000, size=(5, 3))
+    (y,) = run_launcher(_cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos)
+                        if xp is not np else pos, xp=xp)
+    np.testing.assert_allclose(_to_host(y), rope.rotate(x, pos), rtol=0, atol=2e-6)
