@@ -40,6 +40,16 @@ def _style_arg(style):
     return style
 
 
+def _axes_arg(name, values):
+    try:
+        values = tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise RopeTypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+    if not values:
+        raise RopeValueError(f"{name} must name at least one axis, got ()")
+    return values
+
+
 def _segments(pair_axis):
     """Runs of consecutive pairs on one position axis, as int64 rows (first, stop, axis)."""
     starts = [0] + [j for j in range(1, pair_axis.size) if pair_axis[j] != pair_axis[j - 1]]
@@ -156,6 +166,94 @@ class RoPE:
                     self.max_positions,
                 )
         return found
+
+    @classmethod
+    def axial(cls, dims, *, base=10000.0, style="interleaved", max_positions=None, scaling=None):
+        """Multi-axis RoPE with per-axis frequencies (FLUX ``axes_dim``, 2-D ViT RoPE).
+
+        Parameters
+        ----------
+        dims : sequence of even ints
+            Features per axis, e.g. (16, 56, 56) for (time, row, column) with head_dim 128.
+            Axis a's pairs turn at ``base ** (-2 i / dims[a])``.
+        style : {"interleaved", "half"}
+            "interleaved": axis a owns the contiguous features of its block (FLUX). "half": axis
+            a owns pairs p..p+dims[a]/2 of the global half split, features j and j + head_dim/2.
+
+        ``pos`` for rotate then has a trailing axis of size len(dims) (for one axis, plain
+        positions: that is plain RoPE, bit for bit). Real-valued coordinates are exact.
+        """
+        dims = _axes_arg("dims", dims)
+        for i, n in enumerate(dims):
+            if n < 2 or n % 2:
+                raise RopeValueError(f"dims[{i}] must be even and >= 2, got {n}")
+        base = _base_arg(base)
+        head_dim = sum(dims)
+        rope = cls.__new__(cls)
+        pair_axis = np.repeat(np.arange(len(dims), dtype=np.int64), [n // 2 for n in dims])
+        rope._setup(head_dim, head_dim, _style_arg(style), max_positions, scaling,
+                    blocks=[(n, base) for n in dims], pair_axis=pair_axis)
+        rope.base = base
+        return rope
+
+    @classmethod
+    def sectioned(cls, head_dim, sections, *, base=10000.0, style="half", assign="contiguous",
+                  rotary_dim=None, max_positions=None, scaling=None):
+        """Multi-axis RoPE with shared frequencies (Qwen2-VL M-RoPE, Qwen3-VL).
+
+        Parameters
+        ----------
+        head_dim : int
+        sections : sequence of ints
+            Pairs per axis, e.g. (16, 24, 24) for (time, height, width) with head_dim 128;
+            they sum to rotary_dim / 2. Frequencies run over the whole rotary_dim as in 1-D RoPE.
+        assign : {"contiguous", "interleaved"}
+            "contiguous" (Qwen2-VL): consecutive runs of pairs take time, height, width.
+            "interleaved" (Qwen3-VL): pair j takes axis a = j mod n_axes (a >= 1) while
+            j < n_axes * sections[a]; axis 0 takes every other pair.
+        """
+        head_dim = _int_arg("head_dim", head_dim, minimum=2)
+        if head_dim % 2:
+            raise RopeValueError(f"head_dim must be even, got {head_dim}")
+        rotary_dim = head_dim if rotary_dim is None else _int_arg("rotary_dim", rotary_dim,
+                                                                    minimum=2)
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise RopeValueError(
+                f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
+            )
+        sections = _axes_arg("sections", sections)
+        if any(n < 0 for n in sections):
+            raise RopeValueError(f"sections must be >= 0 pairs each, got {sections}")
+        pairs = rotary_dim // 2
+        if sum(sections) != pairs:
+            raise RopeValueError(
+                f"sections {sections} sum to {sum(sections)} pairs; rotary_dim {rotary_dim} "
+                f"has {pairs}"
+            )
+        n_axes = len(sections)
+        if assign == "contiguous":
+            pair_axis = np.repeat(np.arange(n_axes, dtype=np.int64), sections)
+        elif assign == "interleaved":
+            j = np.arange(pairs)
+            pair_axis = np.zeros(pairs, dtype=np.int64)
+            for a in range(1, n_axes):
+                pair_axis[(j % n_axes == a) & (j < n_axes * sections[a])] = a
+            counts = tuple(int((pair_axis == a).sum()) for a in range(n_axes))
+            if counts != sections:
+                raise RopeValueError(
+                    f"sections {sections} cannot be interleaved over {pairs} pairs (each axis "
+                    f"a >= 1 needs n_axes * sections[a] <= {pairs}); got counts {counts}"
+                )
+        else:
+            raise RopeValueError(
+                f"assign must be 'contiguous' or 'interleaved', got {assign!r}"
+            )
+        base = _base_arg(base)
+        rope = cls.__new__(cls)
+        rope._setup(head_dim, rotary_dim, _style_arg(style), max_positions, scaling,
+                    blocks=[(rotary_dim, base)], pair_axis=pair_axis)
+        rope.base = base
+        return rope
 
     @property
     def inv_freq(self):

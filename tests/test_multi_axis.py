@@ -1,0 +1,185 @@
+"""Multi-axis RoPE: axial (FLUX, 2-D ViT) and sectioned (Qwen2-VL, Qwen3-VL) layouts."""
+
+import numpy as np
+import pytest
+from conftest import DTYPES, assert_matches, inv_freq, oracle, poisoned
+from hypothesis import given
+from hypothesis import strategies as st
+
+import arrayrope as ar
+from arrayrope import RopeValueError
+
+
+def _rotate_pairs64(x, angles, style, rotary_dim):
+    """Rotate x's pairs by per-pair angles (float64), pairs chosen by style."""
+    x64 = x.astype(np.float64)
+    if style == "interleaved":
+        a_idx, b_idx = np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+    else:
+        a_idx, b_idx = np.arange(rotary_dim // 2), np.arange(rotary_dim // 2, rotary_dim)
+    a, b = x64[..., a_idx], x64[..., b_idx]
+    out = x64.copy()
+    out[..., a_idx] = a * np.cos(angles) - b * np.sin(angles)
+    out[..., b_idx] = b * np.cos(angles) + a * np.sin(angles)
+    return out
+
+
+def flux_oracle(x, pos, dims, base):
+    """FLUX-style: each axis rotates its own contiguous block of features, interleaved pairs."""
+    out, start = [], 0
+    for a, n in enumerate(dims):
+        out.append(oracle(x[..., start:start + n], pos[..., a], base=base))
+        start += n
+    return np.concatenate(out, axis=-1)
+
+
+def qwen2_oracle(x, pos, sections, base):
+    """Qwen2-VL M-RoPE as Hugging Face writes it: cos over the full head_dim per axis, split into
+    sections (twice, one per half), section i taken from axis i % 3."""
+    d = x.shape[-1]
+    freqs = pos[..., None].astype(np.float64) * inv_freq(d, base)  # (..., n_axes, d/2)
+    emb = np.concatenate([freqs, freqs], axis=-1)  # (..., n_axes, d)
+    bounds = np.cumsum(list(sections) * 2)[:-1]
+    parts = np.split(emb, bounds, axis=-1)
+    angle = np.concatenate([p[..., i % len(sections), :] for i, p in enumerate(parts)], axis=-1)
+    return _rotate_pairs64(x, angle[..., : d // 2], "half", d)
+
+
+def qwen3_oracle(x, pos, sections, base):
+    """Qwen3-VL: start from the time axis' frequencies, overwrite every n-th pair from offset a
+    with axis a's, up to n * sections[a] pairs."""
+    d = x.shape[-1]
+    n = len(sections)
+    freqs = pos[..., None].astype(np.float64) * inv_freq(d, base)  # (..., n_axes, d/2)
+    angle = freqs[..., 0, :].copy()
+    for a in range(1, n):
+        picked = slice(a, n * sections[a], n)
+        angle[..., picked] = freqs[..., a, picked]
+    return _rotate_pairs64(x, angle, "half", d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_axial_matches_flux(rng, dtype, backend):
+    dims = (16, 56, 56)
+    rope = ar.RoPE.axial(dims, base=10000.0)
+    x = rng.standard_normal((2, 3, 10, 128)).astype(dtype)
+    pos = rng.integers(0, 512, size=(2, 1, 10, 3))
+    out = poisoned(x.shape, dtype)
+    rope.rotate(x, pos, out=out, backend=backend)
+    assert_matches(out, flux_oracle(x, pos, dims, 10000.0), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_sectioned_matches_qwen2_vl(rng, dtype, backend):
+    rope = ar.RoPE.sectioned(128, (16, 24, 24), base=1e6)
+    x = rng.standard_normal((4, 9, 128)).astype(dtype)
+    pos = rng.integers(0, 4096, size=(9, 3))
+    out = poisoned(x.shape, dtype)
+    rope.rotate(x, pos, out=out, backend=backend)
+    assert_matches(out, qwen2_oracle(x, pos, (16, 24, 24), 1e6), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_interleaved_assignment_matches_qwen3_vl(rng, dtype, backend):
+    rope = ar.RoPE.sectioned(128, (24, 20, 20), base=5e6, assign="interleaved")
+    x = rng.standard_normal((4, 9, 128)).astype(dtype)
+    pos = rng.integers(0, 4096, size=(9, 3))
+    out = poisoned(x.shape, dtype)
+    rope.rotate(x, pos, out=out, backend=backend)
+    assert_matches(out, qwen3_oracle(x, pos, (24, 20, 20), 5e6), x)
+
+
+def test_vit_2d_fractional_coordinates_are_exact(rng):
+    rope = ar.RoPE.axial((32, 32), base=100.0)
+    x = rng.standard_normal((3, 49, 64)).astype(np.float32)
+    rows, cols = np.meshgrid(np.linspace(0, 6.5, 7), np.linspace(0, 6.5, 7), indexing="ij")
+    pos = np.stack([rows.ravel(), cols.ravel()], axis=-1)  # (49, 2), real-valued
+    assert_matches(rope.rotate(x, pos), flux_oracle(x, pos, (32, 32), 100.0), x)
+
+
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=3), st.integers(0, 2**32 - 1),
+       st.sampled_from(["interleaved", "half"]))
+def test_each_axis_block_is_1d_rope(pairs, seed, style):
+    rng = np.random.default_rng(seed)
+    dims = tuple(2 * p for p in pairs)
+    rope = ar.RoPE.axial(dims, style="interleaved")
+    x = rng.standard_normal((5, sum(dims)))
+    pos = rng.integers(0, 10**6, size=(5, len(dims)))
+    y = rope.rotate(x, pos) if len(dims) > 1 else rope.rotate(x, pos[:, 0])
+    start = 0
+    for a, n in enumerate(dims):
+        block = ar.rotate(np.ascontiguousarray(x[:, start:start + n]), pos[:, a])
+        np.testing.assert_array_equal(y[:, start:start + n], block)
+        start += n
+    del style
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2), st.integers(0, 10**5),
+       st.sampled_from(["axial", "sectioned", "qwen3"]))
+def test_relative_position_per_axis(seed, axis, shift, layout):
+    rng = np.random.default_rng(seed)
+    rope = {
+        "axial": lambda: ar.RoPE.axial((8, 12, 12)),
+        "sectioned": lambda: ar.RoPE.sectioned(32, (4, 6, 6)),
+        "qwen3": lambda: ar.RoPE.sectioned(32, (6, 5, 5), assign="interleaved"),
+    }[layout]()
+    q = rng.standard_normal((6, 32))
+    k = rng.standard_normal((6, 32))
+    pq = rng.integers(0, 10**5, size=(6, 3))
+    pk = rng.integers(0, 10**5, size=(6, 3))
+    before = np.sum(rope.rotate(q, pq) * rope.rotate(k, pk), axis=-1)
+    pq[:, axis] += shift
+    pk[:, axis] += shift
+    after = np.sum(rope.rotate(q, pq) * rope.rotate(k, pk), axis=-1)
+    np.testing.assert_allclose(after, before, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_single_axis_is_plain_rope_bit_for_bit(rng, style):
+    x = rng.standard_normal((3, 7, 64)).astype(np.float32)
+    pos = rng.integers(0, 10**6, size=7)
+    plain = ar.rotate(x, pos, style=style)
+    for rope in (ar.RoPE.axial((64,), style=style), ar.RoPE.sectioned(64, (32,), style=style)):
+        np.testing.assert_array_equal(rope.rotate(x, pos), plain)
+
+
+def test_cos_sin_and_rotate_qk_take_axes(rng):
+    rope = ar.RoPE.sectioned(16, (2, 3, 3))
+    pos = rng.integers(0, 100, size=(5, 3))
+    cos, sin = rope.cos_sin(pos)
+    assert cos.shape == (5, 8)
+    theta = inv_freq(16)
+    angle = pos[:, rope._pair_axis] * theta
+    np.testing.assert_allclose(cos, np.cos(angle), atol=1e-7)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=1e-7)
+    q = rng.standard_normal((4, 5, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    qr, kr = rope.rotate_qk(q, k, pos)
+    np.testing.assert_array_equal(qr, rope.rotate(q, pos))
+    np.testing.assert_array_equal(kr, rope.rotate(k, pos))
+
+
+def test_errors():
+    with pytest.raises(RopeValueError, match=r"dims\[1\] must be even and >= 2, got 7"):
+        ar.RoPE.axial((16, 7))
+    with pytest.raises(RopeValueError, match=r"sections \(16, 24, 20\) sum to 60 pairs; "
+                       r"rotary_dim 128 has 64"):
+        ar.RoPE.sectioned(128, (16, 24, 20))
+    with pytest.raises(RopeValueError, match="assign must be"):
+        ar.RoPE.sectioned(128, (16, 24, 24), assign="zigzag")
+    with pytest.raises(RopeValueError, match="cannot be interleaved"):
+        ar.RoPE.sectioned(16, (1, 1, 6), assign="interleaved")
+    rope = ar.RoPE.axial((8, 8))
+    x = np.zeros((3, 16), np.float32)
+    with pytest.raises(RopeValueError, match=r"pos must end in an axis of size n_axes \(2\), "
+                       r"got shape \(3,\)"):
+        rope.rotate(x, np.arange(3))
+    with pytest.raises(RopeValueError, match=r"got shape \(3, 3\)"):
+        rope.rotate(x, np.zeros((3, 3), np.int64))
+    with pytest.raises(RopeValueError, match="pos is required"):
+        rope.rotate(x)
+    with pytest.raises(RopeValueError, match="n_axes"):
+        rope.rotate(x, 4)
