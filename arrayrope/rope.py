@@ -255,6 +255,31 @@ class RoPE:
         rope.base = base
         return rope
 
+    @classmethod
+    def from_hf_config(cls, config, *, style=None, max_positions=None):
+        """The RoPE a Hugging Face model config describes.
+
+        Parameters
+        ----------
+        config : dict, path to config.json, or an object with those attributes
+            Reads rope_theta (rotary_emb_base), rope_scaling or rope_parameters (rope_type/type:
+            default, linear, dynamic, yarn, longrope, llama3; mrope_section for Qwen-VL),
+            head_dim or hidden_size / num_attention_heads (qk_rope_head_dim for DeepSeek),
+            partial_rotary_factor (rotary_pct), max_position_embeddings and
+            original_max_position_embeddings.
+        style : {"half", "interleaved"}, optional
+            Overrides the pair style of the model family ("half" for Llama-lineage checkpoints,
+            "interleaved" for DeepSeek-V2/V3, GPT-J, Cohere).
+
+        Raises
+        ------
+        RopeValueError
+            Unknown or inconsistent fields, an unknown family without ``style=``.
+        """
+        from ._hf_config import rope_from_hf_config
+
+        return rope_from_hf_config(cls, config, style, max_positions)
+
     @property
     def inv_freq(self):
         return self._default.inv_freq.copy()
