@@ -170,80 +170,75 @@ def _store_impl(a, i, v):
     return store_float
 
 
-# One function per pair style: a constant element stride (1 or 2) is what lets LLVM vectorize.
-# Slices indexed from 0 keep the loops free of negative-index wraparound checks too.
-@njit
-def _pairs_half(x, o, x_start, o_start, half, cos, sin, sign):
-    """Rotate pairs (x[i], x[i + half]) for the len(cos) pairs from x_start."""
-    n = cos.shape[0]
-    xa = x[x_start:x_start + n]
-    xb = x[x_start + half:x_start + half + n]
-    oa = o[o_start:o_start + n]
-    ob = o[o_start + half:o_start + half + n]
-    for k in range(n):
+# One function per pair style, so the element stride (1 or 2) is a constant, and every index is
+# uint64: Numba adds a negative-index wraparound select to signed indices, which stops LLVM from
+# vectorizing (measured: 10 GB/s signed, 51 GB/s unsigned on an in-cache float32 rotation).
+# Offsets are never negative: flat views start at the lowest address.
+@njit(inline="always")
+def _pairs_half(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
+    """Rotate pairs (j, j + half) for j in [first, stop); offsets are uint64."""
+    for j in range(first, stop):
+        k = np.uint64(j)
         c = cos[k]
         s = sin[k] * sign
-        a = _load(xa, k)
-        b = _load(xb, k)
-        _store(oa, k, a * c - b * s)
-        _store(ob, k, b * c + a * s)
+        a = _load(x, x_start + k)
+        b = _load(x, x_start + k + half)
+        _store(o, o_start + k, a * c - b * s)
+        _store(o, o_start + k + half, b * c + a * s)
 
 
-@njit
-def _pairs_interleaved(x, o, x_start, o_start, cos, sin, sign):
-    """Rotate pairs (x[2i], x[2i + 1]) for the len(cos) pairs from x_start."""
-    n = cos.shape[0]
-    xs = x[x_start:x_start + 2 * n]
-    os_ = o[o_start:o_start + 2 * n]
-    for k in range(n):
+@njit(inline="always")
+def _pairs_interleaved(x, o, x_start, o_start, first, stop, cos, sin, sign):
+    """Rotate pairs (2j, 2j + 1) for j in [first, stop); offsets are uint64."""
+    one = np.uint64(1)
+    for j in range(first, stop):
+        k = np.uint64(j)
         c = cos[k]
         s = sin[k] * sign
-        a = _load(xs, 2 * k)
-        b = _load(xs, 2 * k + 1)
-        _store(os_, 2 * k, a * c - b * s)
-        _store(os_, 2 * k + 1, b * c + a * s)
+        a = _load(x, x_start + 2 * k)
+        b = _load(x, x_start + 2 * k + one)
+        _store(o, o_start + 2 * k, a * c - b * s)
+        _store(o, o_start + 2 * k + one, b * c + a * s)
 
 
-@njit
+@njit(inline="always")
 def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style,
          sign, copy_tail, buf):
     if _is_bits(x):
         # Half types: widen the row into a float32 buffer in one contiguous loop, rotate there
         # in place, narrow it back once. Contiguous conversions vectorize; strided ones do not.
-        x_row = x[xb:xb + rotary_dim]
         for j in range(rotary_dim):
-            buf[j] = _load(x_row, j)
-        _row_pairs(buf, buf, True, idx, 0, 0, pb, axis_stride, cos, sin, seg, rotary_dim,
-                   half_style, sign)
-        o_row = o[ob:ob + rotary_dim]
+            buf[j] = _load(x, xb + np.uint64(j))
+        _row_pairs(buf, buf, True, idx, np.uint64(0), np.uint64(0), pb, axis_stride, cos, sin,
+                   seg, rotary_dim, half_style, sign)
         for j in range(rotary_dim):
-            _store(o_row, j, buf[j])
+            _store(o, ob + np.uint64(j), buf[j])
     else:
         _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
                    half_style, sign)
     if copy_tail:
-        o[ob + rotary_dim:ob + d] = x[xb + rotary_dim:xb + d]
+        for j in range(rotary_dim, d):
+            o[ob + np.uint64(j)] = x[xb + np.uint64(j)]
 
 
-@njit
+@njit(inline="always")
 def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
                half_style, sign):
+    half = np.uint64(rotary_dim // 2)
     for s in range(seg.shape[0]):
-        j0 = seg[s, 0]
-        j1 = seg[s, 1]
         p = idx[pb + seg[s, 2] * axis_stride]
-        c = cos[p, j0:j1]
-        sn = sin[p, j0:j1]
+        c = cos[p]
+        sn = sin[p]
         # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
         # It is ``o``, so that a read-only ``x`` still compiles.
         if half_style and in_place:
-            _pairs_half(o, o, ob + j0, ob + j0, rotary_dim // 2, c, sn, sign)
+            _pairs_half(o, o, ob, ob, half, seg[s, 0], seg[s, 1], c, sn, sign)
         elif half_style:
-            _pairs_half(x, o, xb + j0, ob + j0, rotary_dim // 2, c, sn, sign)
+            _pairs_half(x, o, xb, ob, half, seg[s, 0], seg[s, 1], c, sn, sign)
         elif in_place:
-            _pairs_interleaved(o, o, ob + 2 * j0, ob + 2 * j0, c, sn, sign)
+            _pairs_interleaved(o, o, ob, ob, seg[s, 0], seg[s, 1], c, sn, sign)
         else:
-            _pairs_interleaved(x, o, xb + 2 * j0, ob + 2 * j0, c, sn, sign)
+            _pairs_interleaved(x, o, xb, ob, seg[s, 0], seg[s, 1], c, sn, sign)
 
 
 @njit
@@ -269,8 +264,8 @@ def _rows(x, o, in_place, idx, g, t, first, stop, cos, sin, seg, rotary_dim, d, 
         pb += i * g[t, 3, ax]
     axis_stride = g[t, 0, nlead]
     for _ in range(first, stop):
-        _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d,
-             half_style, sign, copy_tail, buf)
+        _row(x, o, in_place, idx, np.uint64(xb), np.uint64(ob), pb, axis_stride, cos, sin, seg,
+             rotary_dim, d, half_style, sign, copy_tail, buf)
         ax = nlead - 1
         while ax >= 0:
             counter[ax] += 1

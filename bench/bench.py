@@ -1,0 +1,218 @@
+"""arrayrope benchmark: CPU (and GPU, when CuPy sees one) against a same-run copy ceiling.
+
+For each shape and dtype it prints the time of arrayrope, of the NumPy reference formula
+(arrayrope's readable array-operations backend), and of the fastest copy of the same bytes this
+machine manages in the same run (np.copyto and a threaded Numba copy), as GB/s (bytes read plus
+bytes written) and as a fraction of that ceiling. Times are medians of repeats after warm-up;
+compile and cache-load time is reported separately, as is import time.
+
+    python bench/bench.py            # the full table
+    python bench/bench.py --quick    # smaller shapes, fewer repeats
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def median_time(fn, repeats, warmup=2):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
+def cold_start():
+    """Import time and first-call time, each in a fresh process (kernels come from disk cache)."""
+    code = (
+        "import time; t0 = time.perf_counter(); import arrayrope as ar; t1 = time.perf_counter()\n"
+        "import numpy as np; x = np.ones((1, 32, 1, 128), np.float32)\n"
+        "t2 = time.perf_counter(); ar.rotate(x, 5); t3 = time.perf_counter()\n"
+        "print(t1 - t0, t3 - t2)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return [float(v) for v in out.stdout.split()]
+
+
+def cpu_rows(shapes, dtypes, repeats):
+    import arrayrope as ar
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=True)
+    def threaded_copy(src, dst):
+        for i in prange(src.size):
+            dst[i] = src[i]
+
+    rows = []
+    for shape in shapes:
+        for dtype in dtypes:
+            x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+            out = np.empty_like(x)
+            nbytes = 2 * x.nbytes  # read x, write out
+            flat_x, flat_out = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+            copy = min(median_time(lambda: np.copyto(out, x), repeats),
+                       median_time(lambda: threaded_copy(flat_x, flat_out), repeats))
+            k = x[:, : max(1, shape[1] // 4)].copy()  # grouped-query keys: a quarter of the heads
+            k_out = np.empty_like(k)
+            qk_copy = copy * (x.nbytes + k.nbytes) / x.nbytes
+            for style in ("interleaved", "half"):
+                cases = {
+                    "rotate out=": (lambda: ar.rotate(x, style=style, out=out), copy),
+                    "rotate new": (lambda: ar.rotate(x, style=style), copy),
+                    "rotate in place": (lambda: ar.rotate(out, style=style, out=out), copy),
+                    "rotate_qk out=": (lambda: ar.rotate_qk(x, k, style=style, out=(out, k_out)),
+                                       qk_copy),
+                }
+                reference = median_time(lambda: ar.rotate(x, style=style, backend="numpy"),
+                                        max(3, repeats // 3), warmup=1)
+                for name, (fn, ceiling) in cases.items():
+                    t = median_time(fn, repeats)
+                    moved = nbytes * ceiling / copy
+                    rows.append({
+                        "device": "cpu", "op": name, "shape": shape, "dtype": np.dtype(dtype).name,
+                        "style": style, "ms": t * 1e3, "GB/s": moved / t / 1e9,
+                        "copy GB/s": moved / ceiling / 1e9, "of ceiling": ceiling / t,
+                        "vs numpy": reference / t if name.startswith("rotate ") else None,
+                    })
+    return rows
+
+
+def decode_row(repeats):
+    import arrayrope as ar
+
+    x = np.random.default_rng(0).standard_normal((1, 32, 1, 128)).astype(np.float32)
+    rope = ar.RoPE(128)
+    pos = np.array([1234])
+    n = 2000
+    results = {}
+    for name, fn in {
+        "ar.rotate(x, int)": lambda: ar.rotate(x, 1234),
+        "RoPE.rotate(x, int)": lambda: rope.rotate(x, 1234),
+        "RoPE.rotate(x, array)": lambda: rope.rotate(x, pos),
+        "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
+    }.items():
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples.append((time.perf_counter() - start) / n)
+        results[name] = float(np.median(samples)) * 1e6
+    return results
+
+
+def gpu_rows(shapes, dtypes, repeats):
+    try:
+        import cupy
+        from cupyx.profiler import benchmark
+
+        if not cupy.is_available():
+            return None
+    except Exception:
+        return None
+    import arrayrope as ar
+
+    def device_time(fn):
+        result = benchmark(fn, n_repeat=repeats, n_warmup=3)
+        return float(np.median(result.gpu_times)), float(np.median(result.cpu_times))
+
+    rows = []
+    for shape in shapes:
+        for dtype in dtypes:
+            try:
+                x = cupy.asarray(np.random.default_rng(0).standard_normal(shape).astype(dtype))
+            except Exception:
+                continue  # a dtype this CuPy cannot hold (bfloat16 on older CuPy)
+            out = cupy.empty_like(x)
+            copy, _ = device_time(lambda: cupy.copyto(out, x))
+            nbytes = 2 * x.nbytes
+            for style in ("interleaved", "half"):
+                cases = {
+                    "cupy rotate out=": lambda: ar.rotate(x, style=style, out=out,
+                                                          backend="cupy"),
+                    "numba-cuda rotate out=": lambda: ar.rotate(x, style=style, out=out,
+                                                                backend="numba-cuda"),
+                    "cupy elementwise reference": lambda: ar.rotate(x, style=style,
+                                                                    backend="numpy"),
+                }
+                for name, fn in cases.items():
+                    t, host = device_time(fn)
+                    rows.append({"device": "gpu", "op": name, "shape": shape,
+                                 "dtype": np.dtype(dtype).name, "style": style, "ms": t * 1e3,
+                                 "GB/s": nbytes / t / 1e9, "copy GB/s": nbytes / copy / 1e9,
+                                 "of ceiling": copy / t, "host us": host * 1e6})
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 32, 1, 128)), np.float32)
+    out = cupy.empty_like(x)
+    for backend in ("cupy", "numba-cuda"):
+        fn = lambda: ar.rotate(x, 1234, out=out, backend=backend)  # noqa: E731
+        t, host = device_time(fn)
+        rows.append({"device": "gpu", "op": f"decode {backend}", "shape": (1, 32, 1, 128),
+                     "dtype": "float32", "style": "interleaved", "ms": t * 1e3, "GB/s": None,
+                     "copy GB/s": None, "of ceiling": None, "host us": host * 1e6})
+    return rows
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--no-cpu", action="store_true", help="GPU rows only")
+    args = parser.parse_args()
+    import ml_dtypes
+
+    dtypes = [np.float32, np.float16, ml_dtypes.bfloat16]
+    shapes = [(4, 32, 2048, 128)] if not args.quick else [(2, 16, 1024, 128)]
+    repeats = 5 if args.quick else 11
+    start = time.time()
+    first = cold_start()  # the first run compiles and fills the disk cache
+    import_s, first_call_s = cold_start()
+    print(f"# arrayrope benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, numpy {np.__version__}")
+    print(f"cold start: import arrayrope {import_s * 1e3:.0f} ms; first call {first_call_s * 1e3:.0f} ms "
+          f"from the disk cache ({first[1]:.1f} s when the cache was cold)")
+    rows = []
+    if not args.no_cpu:
+        decode = decode_row(repeats)
+        print("\ndecode step (1, 32, 1, 128) float32, us per call, every Python-level check included:")
+        for name, us in decode.items():
+            print(f"  {name:24s} {us:7.2f} us")
+        rows = cpu_rows(shapes, dtypes, repeats)
+    gpu = gpu_rows(shapes + [(8, 32, 4096, 128)], dtypes, repeats) if not args.quick else \
+        gpu_rows(shapes, dtypes, repeats)
+    if gpu:
+        rows += gpu
+    print("\n| device | op | shape | dtype | style | ms | GB/s | copy GB/s | of ceiling | vs numpy |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['device']} | {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | "
+              f"{fmt(r['ms'], '.3f')} | {fmt(r['GB/s'], '.1f')} | {fmt(r['copy GB/s'], '.1f')} | "
+              f"{fmt(r['of ceiling'], '.2f')} | {fmt(r.get('vs numpy') or r.get('host us'), '.1f')} |")
+    if gpu is None:
+        print("\n(no GPU rows: CuPy is not installed or sees no GPU)")
+    print(f"\ntotal {time.time() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "import_s": import_s, "first_call_s": first_call_s}, f,
+                      default=str, indent=1)
+
+
+if __name__ == "__main__":
+    main()
