@@ -204,15 +204,28 @@ def _pairs_interleaved(x, o, x_start, o_start, first, stop, cos, sin, sign):
 @njit(inline="always")
 def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style,
          sign, copy_tail, buf):
-    if _is_bits(x):
-        # Half types: widen the row into a float32 buffer in one contiguous loop, rotate there
-        # in place, narrow it back once. Contiguous conversions vectorize; strided ones do not.
-        for j in range(rotary_dim):
-            buf[j] = _load(x, xb + np.uint64(j))
+    if _is_bits(x) or not half_style:
+        # Through a float32 row buffer, in the half layout: half types are widened once and
+        # narrowed once, and interleaved pairs are split into (firsts, seconds) on the way in and
+        # merged on the way out. The rotation in between is the contiguous half-style loop, which
+        # vectorizes far better than one that deinterleaves, rotates and converts at once.
+        half = rotary_dim // 2
+        if half_style:
+            for j in range(rotary_dim):
+                buf[j] = _load(x, xb + np.uint64(j))
+        else:
+            for j in range(half):
+                buf[j] = _load(x, xb + np.uint64(2 * j))
+                buf[half + j] = _load(x, xb + np.uint64(2 * j + 1))
         _row_pairs(buf, buf, True, idx, np.uint64(0), np.uint64(0), pb, axis_stride, cos, sin,
-                   seg, rotary_dim, half_style, sign)
-        for j in range(rotary_dim):
-            _store(o, ob + np.uint64(j), buf[j])
+                   seg, rotary_dim, True, sign)
+        if half_style:
+            for j in range(rotary_dim):
+                _store(o, ob + np.uint64(j), buf[j])
+        else:
+            for j in range(half):
+                _store(o, ob + np.uint64(2 * j), buf[j])
+                _store(o, ob + np.uint64(2 * j + 1), buf[half + j])
     else:
         _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
                    half_style, sign)
