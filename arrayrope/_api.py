@@ -11,7 +11,6 @@ import sys
 import numpy as np
 
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
-from .rope import RoPE
 
 POSITION_LIMIT = 2**31
 # Arithmetic dtype per storage dtype: float32 for half types and float32, float64 for float64.
@@ -154,15 +153,20 @@ def _pick_backend(backend, family):
     return backend
 
 
+_launchers = {}
+
+
 def _launcher(backend):
-    if backend == "numba":
-        from ._cpu import launch
-    elif backend == "cupy":
-        from ._cuda_cupy import launch
-    elif backend == "numba-cuda":
-        from ._cuda_numba import launch
-    else:
-        return None
+    """The launch function of a kernel backend (None for the reference), imported on first use."""
+    launch = _launchers.get(backend)
+    if launch is None and backend != "numpy":
+        if backend == "numba":
+            from ._cpu import launch
+        elif backend == "cupy":
+            from ._cuda_cupy import launch
+        else:
+            from ._cuda_numba import launch
+        _launchers[backend] = launch
     return launch
 
 
@@ -177,6 +181,7 @@ def _shape_text(shapes):
 
 
 _aranges = {}
+_scalars = {}
 
 
 def _default_positions(rope, leads):
@@ -221,7 +226,14 @@ def _positions(rope, pos, leads):
             )
         if not 0 <= pos < POSITION_LIMIT:
             raise RopeValueError(f"pos must be in [0, 2**31), got {pos}")
-        return np.full((1, 1), pos, dtype=np.int64), True, int(pos)
+        values = _scalars.get(pos)
+        if values is None:
+            values = np.full((1, 1), pos, dtype=np.int64)
+            values.flags.writeable = False
+            if len(_scalars) > 4096:
+                _scalars.clear()
+            _scalars[int(pos)] = values
+        return values, True, int(pos)
     family = _family(pos)
     if family:
         values = pos
@@ -368,6 +380,8 @@ def _reference_rotate():
 
 def _kernel_ready(a):
     """Whether the kernels can address ``a`` directly: contiguous features, whole-element strides."""
+    if a.flags.c_contiguous:
+        return True
     return a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 for s in a.strides)
 
 
@@ -397,10 +411,14 @@ def _kernel_operands(xs, outs, idx, xp, family, fresh):
                 temp = xp.empty(x.shape, x.dtype)
                 write_back.append((temp, out))
                 out = temp
-        pad = (None,) * (nlead + 1 - x.ndim)
-        x_padded = x[pad]
-        out = x_padded if out is x else out[pad]
-        operands.append((x_padded, out, idx[(None,) * (nlead + 1 - idx.ndim)]))
+        if x.ndim < nlead + 1:
+            pad = (None,) * (nlead + 1 - x.ndim)
+            padded = x[pad]
+            out = padded if out is x else out[pad]
+            x = padded
+        if idx.ndim < nlead + 1:
+            idx = idx[(None,) * (nlead + 1 - idx.ndim)]
+        operands.append((x, out, idx))
     return operands, write_back
 
 
@@ -417,6 +435,8 @@ def _feature_size(name, x):
 
 @functools.lru_cache(maxsize=64)
 def _cached_rope(head_dim, base, style, rotary_dim, scaling):
+    from .rope import RoPE
+
     return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
 
 
@@ -427,6 +447,8 @@ def shared_rope(head_dim, base, style, rotary_dim, scaling):
     except RopeError:
         raise
     except TypeError:  # an unhashable argument: let the constructor name it
+        from .rope import RoPE
+
         return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
 
 

@@ -375,10 +375,10 @@ def launch(rope, operands, cos, sin, inverse):
         args += (xf, of, out is x, flat_view(idx)[0])
     if len(operands) == 1:
         args += args  # the second operand has zero rows in g
-    size = sum(x.size for x, _, _ in operands)
+    size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
     kernel = rotate_serial if size < SERIAL_BELOW else rotate_parallel
     d = operands[0][0].shape[-1]
-    copy_tail = rope.rotary_dim < d and any(out is not x for x, out, _ in operands)
+    copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     sign = cos.dtype.type(-1.0 if inverse else 1.0)
     kernel(*args, g, cos, sin, rope._segments, rope.rotary_dim, d, rope.style == "half", sign,
            copy_tail)

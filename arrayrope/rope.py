@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 
+from . import _api
 from ._cache import CosSinTables
 from ._errors import RopeTypeError, RopeValueError
 
@@ -326,10 +327,8 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        from ._api import apply
-
-        return apply(self, (x,), pos, inverse, None if out is None else (out,), backend,
-                     seq_len)[0]
+        return _api.apply(self, (x,), pos, inverse, None if out is None else (out,), backend,
+                          seq_len)[0]
 
     def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
         """Rotate queries and keys by the same positions in one pass.
@@ -339,15 +338,13 @@ class RoPE:
         against both leading shapes. ``out`` is None or a pair (q_out, k_out). Returns
         (q_rot, k_rot). Other parameters as in :meth:`rotate`.
         """
-        from ._api import apply
-
         if out is not None:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise RopeTypeError(
                     f"out must be None or a pair (q_out, k_out), got {type(out).__name__}"
                 )
             out = tuple(out)
-        return apply(self, (q, k), pos, inverse, out, backend, seq_len)
+        return _api.apply(self, (q, k), pos, inverse, out, backend, seq_len)
 
     def cos_sin(self, pos, like=None, *, seq_len=None):
         """The cos and sin tables for ``pos``, attention scaling included.
@@ -363,6 +360,4 @@ class RoPE:
         -------
         (cos, sin), each of shape P + (rotary_dim // 2,); pair j uses frequency ``inv_freq[j]``.
         """
-        from ._api import cos_sin
-
-        return cos_sin(self, pos, like, seq_len)
+        return _api.cos_sin(self, pos, like, seq_len)
