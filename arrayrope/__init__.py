@@ -1,5 +1,6 @@
 """Rotary position embeddings on plain NumPy and CuPy arrays."""
 
+from . import scaling
 from ._api import rotate, rotate_qk
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
 from .rope import RoPE
@@ -13,4 +14,5 @@ __all__ = [
     "RopeValueError",
     "rotate",
     "rotate_qk",
+    "scaling",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
 
 POSITION_LIMIT = 2**31
+ACCEPTED = "an array: NumPy, CuPy, Dask, or any DLPack producer (torch, JAX)"
 # Arithmetic dtype per storage dtype: float32 for half types and float32, float64 for float64.
 # Keyed by dtype object (hashing a dtype is cheap, dtype.name is not); bfloat16 joins on first
 # sight, so that asking never imports ml_dtypes.
@@ -60,8 +61,6 @@ def _describe(a):
 
 def _check_array(name, x, head_dim):
     family = _family(x)
-    if not family:
-        raise RopeTypeError(f"{name} must be a NumPy or CuPy array, got {_describe(x)}")
     if x.ndim == 0:
         raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
     if _table_dtype(x.dtype) is None:
@@ -320,9 +319,59 @@ def _gather(rope, xp, cos, sin, idx):
     return cos[rows, columns], sin[rows, columns]
 
 
+def _foreign(xs, outs, pos):
+    """Whether anything arrives in a type other than NumPy or CuPy (DLPack, Dask)."""
+    if not all(_family(x) for x in xs):
+        return True
+    if outs is not None and not all(_family(o) for o in outs):
+        return True
+    return hasattr(pos, "__dlpack__") and not _family(pos)
+
+
+def _apply_foreign(rope, xs, pos, inverse, outs, backend, seq_len, names):
+    """Framework arrays: view them as NumPy/CuPy (no copy), rotate, hand back their own type."""
+    from . import _interop
+
+    if any(_interop.is_dask(x) for x in xs):
+        return _interop.rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len)
+    natives, restores = [], []
+    for name, x in zip(names, xs):
+        if _family(x):
+            natives.append(x)
+            restores.append(None)
+        else:
+            native, restore, _ = _interop.adopt(name, x)
+            natives.append(native)
+            restores.append(restore)
+    native_outs = None
+    if outs is not None:
+        native_outs = []
+        for i, out in enumerate(outs):
+            name = "out" if len(outs) == 1 else f"out[{i}]"
+            if i < len(xs) and out is xs[i] and not _family(out):
+                native, read_only = natives[i], _interop.adopt(name, out)[2]
+            elif _family(out):
+                native, read_only = out, False
+            else:
+                native, _, read_only = _interop.adopt(name, out)
+            if read_only:
+                raise RopeValueError(f"{name} is read-only ({_describe(out)}); rotate into a "
+                                     "writable array, or leave out unset")
+            native_outs.append(native)
+    if hasattr(pos, "__dlpack__") and not _family(pos):
+        pos = _interop.adopt("pos", pos)[0]
+    results = apply(rope, tuple(natives), pos, inverse,
+                    None if native_outs is None else tuple(native_outs), backend, seq_len)
+    if outs is not None:
+        return tuple(outs)  # written through their shared memory
+    return tuple(r if restore is None else restore(r) for r, restore in zip(results, restores))
+
+
 def apply(rope, xs, pos, inverse, outs, backend, seq_len):
     """Validate, resolve positions and tables, and rotate each of ``xs``. Returns a tuple."""
     names = ("x",) if len(xs) == 1 else ("q", "k")
+    if _foreign(xs, outs, pos):
+        return _apply_foreign(rope, xs, pos, inverse, outs, backend, seq_len, names)
     family = None
     for name, x in zip(names, xs):
         fam = _check_array(name, x, rope.head_dim)
@@ -425,7 +474,7 @@ def _kernel_operands(xs, outs, idx, xp, family, fresh):
 def _feature_size(name, x):
     shape = getattr(x, "shape", None)
     if shape is None or not isinstance(shape, tuple):
-        raise RopeTypeError(f"{name} must be a NumPy or CuPy array, got {_describe(x)}")
+        raise RopeTypeError(f"{name} must be {ACCEPTED}, got {_describe(x)}")
     if len(shape) == 0:
         raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
     if shape[-1] % 2:

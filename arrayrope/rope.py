@@ -281,6 +281,19 @@ class RoPE:
 
         return rope_from_hf_config(cls, config, style, max_positions)
 
+    def __getstate__(self):
+        # The configuration only: caches and the lock are rebuilt where it is unpickled (a Dask
+        # worker, a subprocess), so pickles stay small and never carry a lock.
+        return {"head_dim": self.head_dim, "rotary_dim": self.rotary_dim, "style": self.style,
+                "max_positions": self.max_positions, "scaling": self.scaling,
+                "blocks": self._blocks, "pair_axis": self._pair_axis, "base": self.base}
+
+    def __setstate__(self, state):
+        self._setup(state["head_dim"], state["rotary_dim"], state["style"],
+                    state["max_positions"], state["scaling"], list(state["blocks"]),
+                    state["pair_axis"])
+        self.base = state["base"]
+
     @property
     def inv_freq(self):
         return self._default.inv_freq.copy()

@@ -2,9 +2,11 @@
 
 For each shape and dtype it prints the time of arrayrope, of the NumPy reference formula
 (arrayrope's readable array-operations backend), and of the fastest copy of the same bytes this
-machine manages in the same run (np.copyto and a threaded Numba copy), as GB/s (bytes read plus
-bytes written) and as a fraction of that ceiling. Times are medians of repeats after warm-up;
-compile and cache-load time is reported separately, as is import time.
+machine manages in the same run (np.copyto and a threaded Numba copy; for "rotate new", which
+allocates its result, x.copy(), which does too), as GB/s (bytes read plus bytes written) and as a
+fraction of that ceiling. Each operation is timed alternately with its ceiling after warm-up, and
+"of ceiling" is the median of the per-round ratios (medians of times beside it); compile and
+cache-load time is reported separately, as is import time.
 
     python bench/bench.py            # the full table
     python bench/bench.py --quick    # smaller shapes, fewer repeats
@@ -47,6 +49,25 @@ def cold_start():
     return [float(v) for v in out.stdout.split()]
 
 
+def paired(fn, ceilings, repeats):
+    """Time ``fn`` alternately with its ceiling copies; returns (op s, ceiling s, ratio).
+
+    Alternating, and taking the median of per-round ratios, cancels the slow drift of a shared
+    machine; the ceiling of a round is the fastest of its copies.
+    """
+    fn()
+    for c in ceilings:
+        c()
+    ops, tops, ratios = [], [], []
+    for _ in range(repeats):
+        best = min(median_time(c, 1, warmup=0) for c in ceilings)
+        t = median_time(fn, 1, warmup=0)
+        ops.append(t)
+        tops.append(best)
+        ratios.append(best / t)
+    return float(np.median(ops)), float(np.median(tops)), float(np.median(ratios))
+
+
 def cpu_rows(shapes, dtypes, repeats):
     import arrayrope as ar
     from numba import njit, prange
@@ -61,30 +82,34 @@ def cpu_rows(shapes, dtypes, repeats):
         for dtype in dtypes:
             x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
             out = np.empty_like(x)
-            nbytes = 2 * x.nbytes  # read x, write out
-            flat_x, flat_out = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
-            copy = min(median_time(lambda: np.copyto(out, x), repeats),
-                       median_time(lambda: threaded_copy(flat_x, flat_out), repeats))
             k = x[:, : max(1, shape[1] // 4)].copy()  # grouped-query keys: a quarter of the heads
             k_out = np.empty_like(k)
-            qk_copy = copy * (x.nbytes + k.nbytes) / x.nbytes
+            qk = np.concatenate([x.reshape(-1), k.reshape(-1)])
+            qk_out = np.empty_like(qk)
+
+            def copies(src, dst):
+                s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+                return [lambda: np.copyto(dst, src), lambda: threaded_copy(s, d)]
+
             for style in ("interleaved", "half"):
                 cases = {
-                    "rotate out=": (lambda: ar.rotate(x, style=style, out=out), copy),
-                    "rotate new": (lambda: ar.rotate(x, style=style), copy),
-                    "rotate in place": (lambda: ar.rotate(out, style=style, out=out), copy),
+                    "rotate out=": (lambda: ar.rotate(x, style=style, out=out), copies(x, out),
+                                    2 * x.nbytes),
+                    # allocating: against a copy that allocates its result too
+                    "rotate new": (lambda: ar.rotate(x, style=style), [x.copy], 2 * x.nbytes),
+                    "rotate in place": (lambda: ar.rotate(out, style=style, out=out),
+                                        copies(x, out), 2 * x.nbytes),
                     "rotate_qk out=": (lambda: ar.rotate_qk(x, k, style=style, out=(out, k_out)),
-                                       qk_copy),
+                                       copies(qk, qk_out), 2 * qk.nbytes),
                 }
                 reference = median_time(lambda: ar.rotate(x, style=style, backend="numpy"),
                                         max(3, repeats // 3), warmup=1)
-                for name, (fn, ceiling) in cases.items():
-                    t = median_time(fn, repeats)
-                    moved = nbytes * ceiling / copy
+                for name, (fn, ceilings, moved) in cases.items():
+                    t, ceiling, ratio = paired(fn, ceilings, repeats)
                     rows.append({
                         "device": "cpu", "op": name, "shape": shape, "dtype": np.dtype(dtype).name,
                         "style": style, "ms": t * 1e3, "GB/s": moved / t / 1e9,
-                        "copy GB/s": moved / ceiling / 1e9, "of ceiling": ceiling / t,
+                        "copy GB/s": moved / ceiling / 1e9, "of ceiling": ratio,
                         "vs numpy": reference / t if name.startswith("rotate ") else None,
                     })
     return rows

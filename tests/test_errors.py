@@ -94,7 +94,7 @@ def test_zero_d_x():
 
 
 def test_not_an_array():
-    with pytest.raises(RopeTypeError, match="x must be a NumPy or CuPy array, got builtins.list"):
+    with pytest.raises(RopeTypeError, match="x must be an array: NumPy, CuPy, Dask, or any DLPack producer .*, got builtins.list"):
         ar.rotate([[1.0, 2.0]])
 
 

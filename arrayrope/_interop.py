@@ -1,0 +1,138 @@
+"""Arrays from other frameworks: DLPack in and out, and Dask arrays chunk by chunk.
+
+Nothing here imports a framework that the caller's arrays do not already come from: a torch
+tensor means torch is loaded, a dask array means dask is.
+"""
+
+import sys
+
+import numpy as np
+
+from ._errors import RopeTypeError, RopeValueError
+
+_CPU, _CUDA, _CUDA_MANAGED = 1, 2, 13  # DLPack device types
+
+
+def is_dask(a):
+    dask_array = sys.modules.get("dask.array")
+    return dask_array is not None and isinstance(a, dask_array.Array)
+
+
+def _framework(a):
+    return type(a).__module__.split(".", 1)[0]
+
+
+def _torch_bits(a):
+    """A torch bfloat16 tensor as uint16 bits: DLPack consumers such as NumPy lack bfloat16."""
+    torch = sys.modules["torch"]
+    if a.dtype == torch.bfloat16:
+        return a.view(torch.uint16), True
+    return a, False
+
+
+def adopt(name, a):
+    """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy), and a function that returns a
+    result (NumPy or CuPy) as ``a``'s own type. Raises for what DLPack cannot carry."""
+    if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
+        from ._api import ACCEPTED
+
+        raise RopeTypeError(f"{name} must be {ACCEPTED}, got {type(a).__module__}."
+                            f"{type(a).__name__}")
+    framework = _framework(a)
+    device_type = int(a.__dlpack_device__()[0])
+    source, bits = (_torch_bits(a) if framework == "torch" else (a, False))
+    try:
+        if device_type == _CPU:
+            native = np.from_dlpack(source)
+        elif device_type in (_CUDA, _CUDA_MANAGED):
+            import cupy
+
+            native = cupy.from_dlpack(source)
+        else:
+            raise RopeTypeError(f"{name} is on DLPack device type {device_type}; arrayrope runs "
+                                "on CPU (NumPy) and CUDA (CuPy) memory")
+    except (BufferError, TypeError, RuntimeError, ValueError) as error:
+        if isinstance(error, RopeTypeError):
+            raise
+        raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
+    if bits:
+        import ml_dtypes
+
+        native = native.view(ml_dtypes.bfloat16)
+    read_only = framework in ("jax", "jaxlib") or (
+        isinstance(native, np.ndarray) and not native.flags.writeable)
+    return native, _restorer(framework, a), read_only
+
+
+def _restorer(framework, like):
+    if framework == "torch":
+        torch = sys.modules["torch"]
+
+        def to_torch(result):
+            if result.dtype.name == "bfloat16":
+                return torch.from_dlpack(result.view(np.uint16)).view(torch.bfloat16)
+            return torch.from_dlpack(result)
+
+        return to_torch
+    if framework in ("jax", "jaxlib"):
+        jnp = sys.modules["jax"].numpy
+
+        def to_jax(result):
+            return jnp.from_dlpack(result)
+
+        return to_jax
+    return lambda result: result
+
+
+def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
+    """Lazy rotation of dask arrays: each chunk rotated by the kernel of its chunk type (NumPy
+    or CuPy) with its own slice of positions. The feature axis is made whole first."""
+    import dask.array as da
+
+    from ._api import _family, _positions, _seq_len
+
+    if outs is not None:
+        raise RopeValueError("out is not supported for dask arrays (their results are lazy)")
+    if not all(is_dask(x) for x in xs):
+        raise RopeTypeError("q and k must both be dask arrays, or neither")
+    leads = [x.shape[:-1] for x in xs]
+    for name, x in zip(("x",) if len(xs) == 1 else ("q", "k"), xs):
+        if x.ndim == 0 or x.shape[-1] != rope.head_dim:
+            raise RopeValueError(
+                f"{name}.shape[-1] must equal head_dim ({rope.head_dim}), got "
+                f"{x.shape[-1] if x.ndim else 'a 0-d array'}"
+            )
+    if is_dask(pos):
+        values = pos if rope.n_axes > 1 else pos[..., None]
+        dynamic = rope.scaling is not None and rope.scaling.dynamic
+        if dynamic and seq_len is None:  # one length for every chunk, from all positions
+            seq_len = int(values.max().compute()) + 1
+        host = None
+    else:
+        host, is_int, high = _positions(rope, pos, leads)
+        if _family(host) == "cupy":
+            host = host.get()
+        seq_len = _seq_len(rope, seq_len, high)
+        values = host
+
+    results = []
+    for x in xs:
+        if len(x.chunks[-1]) > 1:
+            x = x.rechunk({x.ndim - 1: -1})
+        lead = x.shape[:-1]
+        width = values.shape[-1]
+        target = lead + (width,)
+        if host is not None:
+            aligned = da.from_array(np.broadcast_to(host.reshape((1,) * (len(target) -
+                                                                          host.ndim) +
+                                                                 host.shape), target),
+                                    chunks=x.chunks[:-1] + ((width,),))
+        else:
+            aligned = da.broadcast_to(values, target).rechunk(x.chunks[:-1] + ((width,),))
+
+        def rotate_block(block, positions, _rope=rope):
+            p = positions if _rope.n_axes > 1 else positions[..., 0]
+            return _rope.rotate(block, p, inverse=inverse, backend=backend, seq_len=seq_len)
+
+        results.append(da.map_blocks(rotate_block, x, aligned, dtype=x.dtype, meta=x._meta))
+    return tuple(results)

@@ -1,0 +1,185 @@
+"""Framework arrays through DLPack (PyTorch here; JAX where installed) and Dask on a cluster."""
+
+import numpy as np
+import pytest
+from conftest import BF16
+
+import arrayrope as ar
+from arrayrope import RopeTypeError, RopeValueError
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+class ReadOnlyProducer:
+    """A minimal DLPack producer over a read-only NumPy array (as JAX arrays are read-only)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.array.flags.writeable = False
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_read_only_producer_is_read_not_written():
+    x = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
+    producer = ReadOnlyProducer(x.copy())
+    y = ar.rotate(producer, 5)
+    assert isinstance(y, np.ndarray)
+    np.testing.assert_array_equal(y, ar.rotate(x, 5))
+    with pytest.raises(RopeValueError, match="out is read-only"):
+        ar.rotate(producer, 5, out=producer)
+    np.testing.assert_array_equal(producer.array, x)
+
+
+# ---------------------------------------------------------------- PyTorch (CPU)
+
+torch_dtypes = ["float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch", reason="PyTorch is not installed")
+
+
+def _numpy_of(t):
+    import torch as th
+
+    if t.dtype == th.bfloat16:
+        return t.view(th.uint16).numpy().view(BF16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("dtype", torch_dtypes)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_torch_round_trip_is_bit_exact(torch, dtype, style):
+    t = torch.randn(2, 4, 9, 16).to(getattr(torch, dtype))
+    pos = torch.randint(0, 10**6, (9,))
+    y = ar.rotate(t, pos, style=style, rotary_dim=12)
+    assert isinstance(y, torch.Tensor) and y.dtype == t.dtype and y.device == t.device
+    expected = ar.rotate(_numpy_of(t), pos.numpy(), style=style, rotary_dim=12)
+    np.testing.assert_array_equal(bits(_numpy_of(y)), bits(expected))
+
+
+def test_torch_in_place_writes_the_tensor_itself(torch):
+    t = torch.randn(3, 5, 16)
+    pointer = t.data_ptr()
+    expected = ar.rotate(t.numpy().copy(), 7)
+    assert ar.rotate(t, 7, out=t) is t
+    assert t.data_ptr() == pointer
+    np.testing.assert_array_equal(t.numpy(), expected)
+
+
+def test_torch_views_are_not_copied(torch):
+    qkv = torch.randn(2, 6, 3, 4, 16)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    out_q, out_k = torch.empty_like(q), torch.empty_like(k)
+    pointers = (out_q.data_ptr(), out_k.data_ptr())
+    pos = torch.arange(6)[:, None]
+    rq, rk = ar.rotate_qk(q, k, pos, out=(out_q, out_k))
+    assert rq is out_q and rk is out_k and (rq.data_ptr(), rk.data_ptr()) == pointers
+    np.testing.assert_array_equal(rq.numpy(), ar.rotate(q.numpy(), pos.numpy()))
+    np.testing.assert_array_equal(rk.numpy(), ar.rotate(k.numpy(), pos.numpy()))
+    # The NumPy view the kernel wrote through is the tensor's own memory.
+    assert np.from_dlpack(q).__array_interface__["data"][0] == q.data_ptr()
+
+
+def test_torch_result_type_for_mixed_and_rope_methods(torch):
+    rope = ar.RoPE(16, style="half")
+    t = torch.randn(4, 16)
+    assert isinstance(rope.rotate(t, torch.arange(4)), torch.Tensor)
+    q, k = rope.rotate_qk(t, np.random.randn(4, 16).astype(np.float32))
+    assert isinstance(q, torch.Tensor) and isinstance(k, np.ndarray)
+
+
+def test_torch_errors(torch):
+    with pytest.raises(RopeTypeError, match="x must be float16, bfloat16, float32 or float64"):
+        ar.rotate(torch.zeros(3, 8, dtype=torch.int32))
+    with pytest.raises(RopeTypeError, match="cannot be viewed through DLPack"):
+        ar.rotate(torch.zeros(3, 8, requires_grad=True))
+
+
+def test_no_framework_is_imported_for_numpy_calls():
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, arrayrope as ar; ar.rotate(np.ones((2, 8)), 1); "
+            "assert not {'torch', 'jax', 'dask', 'cupy'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_jax_arrays_are_read_only():
+    jnp = pytest.importorskip("jax.numpy", reason="JAX is not installed")
+    x = jnp.ones((3, 8), dtype=jnp.float32)
+    y = ar.rotate(x, 2)
+    assert type(y).__module__.startswith("jax")
+    np.testing.assert_allclose(np.asarray(y), ar.rotate(np.ones((3, 8), np.float32), 2))
+    with pytest.raises(RopeValueError, match="read-only"):
+        ar.rotate(x, 2, out=x)
+
+
+# ---------------------------------------------------------------- Dask
+
+
+@pytest.fixture(scope="module")
+def client():
+    distributed = pytest.importorskip("distributed", reason="dask.distributed is not installed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None)
+    with distributed.Client(cluster) as c:
+        yield c
+    cluster.close()
+
+
+@pytest.mark.parametrize("case", ["int", "float", "none", "multi-axis", "dask-pos", "chunked-d",
+                                  "dynamic-scaling", "qk"])
+def test_dask_on_a_cluster_matches_in_memory(client, case):
+    import dask.array as da
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 4, 40, 32)).astype(np.float32)
+    rope, pos, kw = ar.RoPE(32, style="half", rotary_dim=24), rng.integers(0, 10**6, 40), {}
+    chunks = (2, 3, 15, 32)
+    if case == "float":
+        pos = rng.random(40) * 1e5
+    elif case == "none":
+        pos = None
+    elif case == "multi-axis":
+        rope = ar.RoPE.sectioned(32, (4, 6, 6))
+        pos = rng.integers(0, 500, (3, 1, 40, 3))
+    elif case == "dask-pos":
+        pos = da.from_array(pos, chunks=7)
+    elif case == "chunked-d":
+        chunks = (1, 4, 40, 8)
+    elif case == "dynamic-scaling":
+        rope = ar.RoPE(32, scaling=ar.scaling.DynamicNTK(2.0, 64))
+        pos = np.arange(40) * 10  # max 390: every chunk must use L = 391, not its own max
+    xd = da.from_array(x, chunks=chunks)
+    if case == "qk":
+        k = rng.standard_normal((3, 2, 40, 32)).astype(np.float32)
+        rq, rk = rope.rotate_qk(xd, da.from_array(k, chunks=(1, 1, 20, 32)), pos)
+        eq, ek = rope.rotate_qk(x, k, pos)
+        np.testing.assert_array_equal(bits(rq.compute()), bits(eq))
+        np.testing.assert_array_equal(bits(rk.compute()), bits(ek))
+        return
+    lazy = rope.rotate(xd, pos, **kw)
+    assert isinstance(lazy, da.Array) and lazy.dtype == x.dtype
+    host_pos = pos.compute() if hasattr(pos, "compute") else pos
+    expected = rope.rotate(x, host_pos)
+    np.testing.assert_array_equal(bits(client.compute(lazy).result()), bits(expected))
+
+
+def test_dask_errors():
+    import dask.array as da
+
+    xd = da.zeros((4, 8), chunks=2, dtype=np.float32)
+    with pytest.raises(RopeValueError, match="out is not supported for dask"):
+        ar.rotate(xd, out=xd)
+    with pytest.raises(RopeValueError, match="pos of shape"):
+        ar.rotate(xd, np.arange(5))
