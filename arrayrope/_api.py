@@ -201,6 +201,8 @@ def _default_positions(rope, leads):
 
 def _position_range(values, family):
     """(min, max, finite) of a non-empty position array."""
+    # Broadcast axes (stride 0) repeat the same values: read one slice of them, copy nothing.
+    values = values[tuple(slice(0, 1) if s == 0 else slice(None) for s in values.strides)]
     if family == "numpy":
         from ._cpu import position_range
 

@@ -122,13 +122,17 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
         lead = x.shape[:-1]
         width = values.shape[-1]
         target = lead + (width,)
+        # Positions enter the graph compact, chunked like x along their non-broadcast axes, and
+        # are broadcast lazily per chunk: never a full-size position array in the graph.
+        padded = (1,) * (len(target) - values.ndim) + tuple(values.shape)
+        source_chunks = tuple(
+            (1,) if n == 1 else x.chunks[i] for i, n in enumerate(padded[:-1])
+        ) + ((width,),)
         if host is not None:
-            aligned = da.from_array(np.broadcast_to(host.reshape((1,) * (len(target) -
-                                                                          host.ndim) +
-                                                                 host.shape), target),
-                                    chunks=x.chunks[:-1] + ((width,),))
+            source = da.from_array(host.reshape(padded), chunks=source_chunks)
         else:
-            aligned = da.broadcast_to(values, target).rechunk(x.chunks[:-1] + ((width,),))
+            source = values.reshape(padded).rechunk(source_chunks)
+        aligned = da.broadcast_to(source, target, chunks=x.chunks[:-1] + ((width,),))
 
         def rotate_block(block, positions, _rope=rope):
             p = positions if _rope.n_axes > 1 else positions[..., 0]

@@ -1,5 +1,6 @@
 """RoPE: one rotary-embedding configuration, its frequencies and its cos/sin caches."""
 
+import functools
 import math
 import operator
 import threading
@@ -56,6 +57,17 @@ def _segments(pair_axis):
     starts = [0] + [j for j in range(1, pair_axis.size) if pair_axis[j] != pair_axis[j - 1]]
     stops = starts[1:] + [pair_axis.size]
     return np.array([(a, b, pair_axis[a]) for a, b in zip(starts, stops)], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _restore(config):
+    """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
+    head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config
+    rope = RoPE.__new__(RoPE)
+    rope._setup(head_dim, rotary_dim, style, max_positions, scaling, list(blocks),
+                np.array(pair_axis, dtype=np.int64))
+    rope.base = base
+    return rope
 
 
 class FreqSet:
@@ -281,18 +293,13 @@ class RoPE:
 
         return rope_from_hf_config(cls, config, style, max_positions)
 
-    def __getstate__(self):
-        # The configuration only: caches and the lock are rebuilt where it is unpickled (a Dask
-        # worker, a subprocess), so pickles stay small and never carry a lock.
-        return {"head_dim": self.head_dim, "rotary_dim": self.rotary_dim, "style": self.style,
-                "max_positions": self.max_positions, "scaling": self.scaling,
-                "blocks": self._blocks, "pair_axis": self._pair_axis, "base": self.base}
-
-    def __setstate__(self, state):
-        self._setup(state["head_dim"], state["rotary_dim"], state["style"],
-                    state["max_positions"], state["scaling"], list(state["blocks"]),
-                    state["pair_axis"])
-        self.base = state["base"]
+    def __reduce__(self):
+        # The configuration only, and one RoPE per configuration per process on the way back:
+        # the tasks of a Dask worker share one instance and its cos/sin cache instead of each
+        # rebuilding the tables. Caches and the lock never travel.
+        config = (self.head_dim, self.rotary_dim, self.style, self.max_positions, self.scaling,
+                  self._blocks, tuple(int(a) for a in self._pair_axis), self.base)
+        return _restore, (config,)
 
     @property
     def inv_freq(self):

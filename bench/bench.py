@@ -10,6 +10,7 @@ cache-load time is reported separately, as is import time.
 
     python bench/bench.py            # the full table
     python bench/bench.py --quick    # smaller shapes, fewer repeats
+    python bench/bench.py --no-dask  # without the Dask cluster row
 """
 
 import argparse
@@ -200,6 +201,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-cpu", action="store_true", help="GPU rows only")
+    parser.add_argument("--no-dask", action="store_true", help="skip the Dask cluster row")
     args = parser.parse_args()
     import ml_dtypes
 
@@ -232,6 +234,19 @@ def main():
               f"{fmt(r['of ceiling'], '.2f')} | {fmt(r.get('vs numpy') or r.get('host us'), '.1f')} |")
     if gpu is None:
         print("\n(no GPU rows: CuPy is not installed or sees no GPU)")
+    if not args.no_dask and not args.no_cpu:
+        try:
+            from bench.dask_bench import run as dask_run
+        except ImportError as error:
+            print(f"\n(no Dask row: {error})")
+        else:
+            r = dask_run(1.0 if args.quick else 4.3)
+            print(f"\nDask, {r['bytes'] / 1e9:.1f} GB float32 generated chunk by chunk on "
+                  f"{r['workers']} worker processes: rotate {r['dask GB/s']:.2f} GB/s of x "
+                  f"(the same pipeline without the rotation: {r['dask GB/s without rotation']:.2f}"
+                  f" GB/s); single-process kernel {r['single-process kernel GB/s']:.1f} GB/s "
+                  f"read+write; worker peak RSS {r['worker peak MB']} MB")
+            rows.append({"device": "dask", **r})
     print(f"\ntotal {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
