@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
+from ._errors import RopeError, RopeTypeError, RopeValueError
 
 POSITION_LIMIT = 2**31
 ACCEPTED = "an array: NumPy, CuPy, Dask, or any DLPack producer (torch, JAX)"
@@ -29,6 +29,8 @@ def _table_dtype(dtype):
     if found is None and dtype.name == "bfloat16" and dtype.itemsize == 2:
         found = _TABLE_DTYPE[dtype] = np.dtype(np.float32)
     return found
+
+
 _BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
 _family_of_type = {}
 
@@ -68,7 +70,9 @@ def _check_array(name, x, head_dim):
             f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
         )
     if x.shape[-1] != head_dim:
-        raise RopeValueError(f"{name}.shape[-1] must equal head_dim ({head_dim}), got {x.shape[-1]}")
+        raise RopeValueError(
+            f"{name}.shape[-1] must equal head_dim ({head_dim}), got {x.shape[-1]}"
+        )
     return family
 
 
@@ -144,11 +148,13 @@ def _pick_backend(backend, family):
             f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}"
         )
     if backend == "numba" and family != "numpy":
-        raise RopeValueError("backend='numba' takes NumPy arrays; for CuPy arrays use 'cupy' "
-                             "or 'numba-cuda'")
+        raise RopeValueError(
+            "backend='numba' takes NumPy arrays; for CuPy arrays use 'cupy' or 'numba-cuda'"
+        )
     if backend in ("cupy", "numba-cuda") and family != "cupy":
-        raise RopeValueError(f"backend={backend!r} takes CuPy arrays, got NumPy arrays; use "
-                             "'numba' or 'numpy'")
+        raise RopeValueError(
+            f"backend={backend!r} takes CuPy arrays, got NumPy arrays; use 'numba' or 'numpy'"
+        )
     return backend
 
 
@@ -357,13 +363,22 @@ def _apply_foreign(rope, xs, pos, inverse, outs, backend, seq_len, names):
             else:
                 native, _, read_only = _interop.adopt(name, out)
             if read_only:
-                raise RopeValueError(f"{name} is read-only ({_describe(out)}); rotate into a "
-                                     "writable array, or leave out unset")
+                raise RopeValueError(
+                    f"{name} is read-only ({_describe(out)}); rotate into a "
+                    "writable array, or leave out unset"
+                )
             native_outs.append(native)
     if hasattr(pos, "__dlpack__") and not _family(pos):
         pos = _interop.adopt("pos", pos)[0]
-    results = apply(rope, tuple(natives), pos, inverse,
-                    None if native_outs is None else tuple(native_outs), backend, seq_len)
+    results = apply(
+        rope,
+        tuple(natives),
+        pos,
+        inverse,
+        None if native_outs is None else tuple(native_outs),
+        backend,
+        seq_len,
+    )
     if outs is not None:
         return tuple(outs)  # written through their shared memory
     return tuple(r if restore is None else restore(r) for r, restore in zip(results, restores))
@@ -380,15 +395,14 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
         if family is None:
             family = fam
         elif fam != family:
-            raise RopeTypeError(f"q and k must be arrays of one kind, got {_describe(xs[0])} "
-                                f"and {_describe(x)}")
+            raise RopeTypeError(
+                f"q and k must be arrays of one kind, got {_describe(xs[0])} and {_describe(x)}"
+            )
     if len(xs) == 2:
         if xs[0].dtype != xs[1].dtype:
             raise RopeTypeError(f"q and k must share a dtype, got {xs[0].dtype} and {xs[1].dtype}")
         if family == "cupy" and xs[0].device != xs[1].device:
-            raise RopeValueError(
-                f"q is on device {xs[0].device.id}, k on device {xs[1].device.id}"
-            )
+            raise RopeValueError(f"q is on device {xs[0].device.id}, k on device {xs[1].device.id}")
     if not isinstance(inverse, (bool, np.bool_)):
         raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
     if outs is not None:
@@ -402,16 +416,25 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
         raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
     device = xs[0].device.id if family == "cupy" else None
     dtype = _table_dtype(xs[0].dtype)
-    cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
-                            _seq_len(rope, seq_len, high))
+    cos, sin, idx = _tables(
+        rope, values, is_int, high, xp, device, dtype, _seq_len(rope, seq_len, high)
+    )
     results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
 
     if launch is None:
         cos_rows, sin_rows = _gather(rope, xp, cos, sin, idx)
         for x, out in zip(xs, results):
             rotate = _reference_rotate()
-            rotate(xp, x, cos_rows, sin_rows, style=rope.style, rotary_dim=rope.rotary_dim,
-                   inverse=bool(inverse), out=out)
+            rotate(
+                xp,
+                x,
+                cos_rows,
+                sin_rows,
+                style=rope.style,
+                rotary_dim=rope.rotary_dim,
+                inverse=bool(inverse),
+                out=out,
+            )
         return results
 
     fresh = results if outs is None else (None,) * len(xs)
@@ -430,13 +453,13 @@ def _reference_rotate():
 
 
 def _kernel_ready(a):
-    """Whether the kernels can address ``a`` directly: contiguous features, whole-element strides."""
+    """Whether the kernels can address ``a`` as it is: contiguous features, whole-item strides."""
     if a.flags.c_contiguous:
         return True
     return a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 for s in a.strides)
 
 
-def _kernel_operands(xs, outs, idx, xp, family, fresh):
+def _kernel_operands(xs, outs, idx, xp, family, fresh_outs):
     """(x, out, idx) triples shaped for the kernels, and temporaries to copy back afterwards.
 
     Leading axes keep their strides (no copy). A layout the kernels cannot address (features not
@@ -446,7 +469,7 @@ def _kernel_operands(xs, outs, idx, xp, family, fresh):
     """
     nlead = max(1, max(x.ndim - 1 for x in xs))
     operands, write_back = [], []
-    for x, out, fresh in zip(xs, outs, fresh):
+    for x, out, fresh in zip(xs, outs, fresh_outs):
         if x.size == 0:
             continue
         in_place = out is x or (out is not fresh and _same_view(out, x, family))
@@ -503,8 +526,19 @@ def shared_rope(head_dim, base, style, rotary_dim, scaling):
         return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
 
 
-def rotate(x, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None, inverse=False,
-           out=None, backend="auto", scaling=None, seq_len=None):
+def rotate(
+    x,
+    pos=None,
+    *,
+    base=10000.0,
+    style="interleaved",
+    rotary_dim=None,
+    inverse=False,
+    out=None,
+    backend="auto",
+    scaling=None,
+    seq_len=None,
+):
     """Rotate ``x`` (..., d) by rotary position embeddings; see :meth:`RoPE.rotate`.
 
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
@@ -514,8 +548,20 @@ def rotate(x, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None, i
     return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
 
 
-def rotate_qk(q, k, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None,
-              inverse=False, out=None, backend="auto", scaling=None, seq_len=None):
+def rotate_qk(
+    q,
+    k,
+    pos=None,
+    *,
+    base=10000.0,
+    style="interleaved",
+    rotary_dim=None,
+    inverse=False,
+    out=None,
+    backend="auto",
+    scaling=None,
+    seq_len=None,
+):
     """Rotate queries and keys in one pass; returns (q_rot, k_rot). See :meth:`RoPE.rotate_qk`."""
     rope = shared_rope(_feature_size("q", q), base, style, rotary_dim, scaling)
     return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
@@ -541,8 +587,9 @@ def cos_sin(rope, pos, like, seq_len):
     shape = getattr(pos, "shape", np.shape(pos))
     lead = tuple(shape) if rope.n_axes == 1 else tuple(shape[:-1])
     values, is_int, high = _positions(rope, pos, [lead])
-    cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype,
-                            _seq_len(rope, seq_len, high))
+    cos, sin, idx = _tables(
+        rope, values, is_int, high, xp, device, dtype, _seq_len(rope, seq_len, high)
+    )
     if _family(idx) != family:
         idx = xp.asarray(idx)
     return _gather(rope, xp, cos, sin, idx)

@@ -23,7 +23,7 @@ _MIN_ROWS = 256
 
 def _angles_to_tables(xp, angles, scale, dtype):
     # Angles are float64 and so are cos/sin; the cast to the table dtype is the only rounding,
-    # which keeps position 10**6 as exact as position 10 (a float32 angle would be off by ~0.06 rad).
+    # which keeps position 10**6 as exact as position 10 (a float32 angle is off by ~0.06 rad).
     cos = xp.cos(angles)
     sin = xp.sin(angles)
     if scale != 1.0:

@@ -170,13 +170,12 @@ def _store_impl(a, i, v):
     return store_float
 
 
-# One function per pair style, so the element stride (1 or 2) is a constant, and every index is
-# uint64: Numba adds a negative-index wraparound select to signed indices, which stops LLVM from
-# vectorizing (measured: 10 GB/s signed, 51 GB/s unsigned on an in-cache float32 rotation).
-# Offsets are never negative: flat views start at the lowest address.
+# Every index is uint64: Numba adds a negative-index wraparound select to signed indices, which
+# stops LLVM from vectorizing (measured: 10 GB/s signed, 51 GB/s unsigned on an in-cache float32
+# rotation). Offsets are never negative: flat views start at the lowest address.
 @njit(inline="always")
-def _pairs_half(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
-    """Rotate pairs (j, j + half) for j in [first, stop); offsets are uint64."""
+def _pairs(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
+    """Rotate pairs (j, j + half) for j in [first, stop): the contiguous "half" layout."""
     for j in range(first, stop):
         k = np.uint64(j)
         c = cos[k]
@@ -188,27 +187,44 @@ def _pairs_half(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
 
 
 @njit(inline="always")
-def _pairs_interleaved(x, o, x_start, o_start, first, stop, cos, sin, sign):
-    """Rotate pairs (2j, 2j + 1) for j in [first, stop); offsets are uint64."""
-    one = np.uint64(1)
-    for j in range(first, stop):
-        k = np.uint64(j)
-        c = cos[k]
-        s = sin[k] * sign
-        a = _load(x, x_start + 2 * k)
-        b = _load(x, x_start + 2 * k + one)
-        _store(o, o_start + 2 * k, a * c - b * s)
-        _store(o, o_start + 2 * k + one, b * c + a * s)
+def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, sign):
+    """Rotate one row in the half layout, one run of pairs (a segment) per position axis."""
+    half = np.uint64(rotary_dim // 2)
+    for s in range(seg.shape[0]):
+        p = idx[pb + seg[s, 2] * axis_stride]
+        # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
+        # It is ``o``, so that a read-only ``x`` still compiles.
+        if in_place:
+            _pairs(o, o, ob, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], sign)
+        else:
+            _pairs(x, o, xb, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], sign)
 
 
 @njit(inline="always")
-def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style,
-         sign, copy_tail, buf):
+def _row(
+    x,
+    o,
+    in_place,
+    idx,
+    xb,
+    ob,
+    pb,
+    axis_stride,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    sign,
+    copy_tail,
+    buf,
+):
     if _is_bits(x) or not half_style:
         # Through a float32 row buffer, in the half layout: half types are widened once and
         # narrowed once, and interleaved pairs are split into (firsts, seconds) on the way in and
-        # merged on the way out. The rotation in between is the contiguous half-style loop, which
-        # vectorizes far better than one that deinterleaves, rotates and converts at once.
+        # merged on the way out. The rotation in between is the contiguous half-layout loop,
+        # which vectorizes far better than one that deinterleaves, rotates and converts at once.
         half = rotary_dim // 2
         if half_style:
             for j in range(rotary_dim):
@@ -217,8 +233,10 @@ def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim
             for j in range(half):
                 buf[j] = _load(x, xb + np.uint64(2 * j))
                 buf[half + j] = _load(x, xb + np.uint64(2 * j + 1))
-        _row_pairs(buf, buf, True, idx, np.uint64(0), np.uint64(0), pb, axis_stride, cos, sin,
-                   seg, rotary_dim, True, sign)
+        zero = np.uint64(0)
+        _row_pairs(
+            buf, buf, True, idx, zero, zero, pb, axis_stride, cos, sin, seg, rotary_dim, sign
+        )
         if half_style:
             for j in range(rotary_dim):
                 _store(o, ob + np.uint64(j), buf[j])
@@ -227,36 +245,31 @@ def _row(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim
                 _store(o, ob + np.uint64(2 * j), buf[j])
                 _store(o, ob + np.uint64(2 * j + 1), buf[half + j])
     else:
-        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
-                   half_style, sign)
+        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, sign)
     if copy_tail:
         for j in range(rotary_dim, d):
             o[ob + np.uint64(j)] = x[xb + np.uint64(j)]
 
 
-@njit(inline="always")
-def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim,
-               half_style, sign):
-    half = np.uint64(rotary_dim // 2)
-    for s in range(seg.shape[0]):
-        p = idx[pb + seg[s, 2] * axis_stride]
-        c = cos[p]
-        sn = sin[p]
-        # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
-        # It is ``o``, so that a read-only ``x`` still compiles.
-        if half_style and in_place:
-            _pairs_half(o, o, ob, ob, half, seg[s, 0], seg[s, 1], c, sn, sign)
-        elif half_style:
-            _pairs_half(x, o, xb, ob, half, seg[s, 0], seg[s, 1], c, sn, sign)
-        elif in_place:
-            _pairs_interleaved(o, o, ob, ob, seg[s, 0], seg[s, 1], c, sn, sign)
-        else:
-            _pairs_interleaved(x, o, xb, ob, seg[s, 0], seg[s, 1], c, sn, sign)
-
-
 @njit
-def _rows(x, o, in_place, idx, g, t, first, stop, cos, sin, seg, rotary_dim, d, half_style, sign,
-          copy_tail):
+def _rows(
+    x,
+    o,
+    in_place,
+    idx,
+    g,
+    t,
+    first,
+    stop,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    sign,
+    copy_tail,
+):
     """Rows first..stop-1 of operand t. The leading index is decoded once, then advanced like
     an odometer: an int64 division per row costs as much as rotating a float32 row."""
     if first >= stop:
@@ -277,8 +290,25 @@ def _rows(x, o, in_place, idx, g, t, first, stop, cos, sin, seg, rotary_dim, d, 
         pb += i * g[t, 3, ax]
     axis_stride = g[t, 0, nlead]
     for _ in range(first, stop):
-        _row(x, o, in_place, idx, np.uint64(xb), np.uint64(ob), pb, axis_stride, cos, sin, seg,
-             rotary_dim, d, half_style, sign, copy_tail, buf)
+        _row(
+            x,
+            o,
+            in_place,
+            idx,
+            np.uint64(xb),
+            np.uint64(ob),
+            pb,
+            axis_stride,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            sign,
+            copy_tail,
+            buf,
+        )
         ax = nlead - 1
         while ax >= 0:
             counter[ax] += 1
@@ -303,12 +333,61 @@ def _count_rows(g, t):
 
 
 @njit(cache=_CACHE)
-def rotate_serial(x1, o1, in_place1, i1, x2, o2, in_place2, i2, g, cos, sin, seg, rotary_dim, d,
-                  half_style, sign, copy_tail):
-    _rows(x1, o1, in_place1, i1, g, 0, 0, _count_rows(g, 0), cos, sin, seg, rotary_dim, d,
-          half_style, sign, copy_tail)
-    _rows(x2, o2, in_place2, i2, g, 1, 0, _count_rows(g, 1), cos, sin, seg, rotary_dim, d,
-          half_style, sign, copy_tail)
+def rotate_serial(
+    x1,
+    o1,
+    in_place1,
+    i1,
+    x2,
+    o2,
+    in_place2,
+    i2,
+    g,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    sign,
+    copy_tail,
+):
+    _rows(
+        x1,
+        o1,
+        in_place1,
+        i1,
+        g,
+        0,
+        0,
+        _count_rows(g, 0),
+        cos,
+        sin,
+        seg,
+        rotary_dim,
+        d,
+        half_style,
+        sign,
+        copy_tail,
+    )
+    _rows(
+        x2,
+        o2,
+        in_place2,
+        i2,
+        g,
+        1,
+        0,
+        _count_rows(g, 1),
+        cos,
+        sin,
+        seg,
+        rotary_dim,
+        d,
+        half_style,
+        sign,
+        copy_tail,
+    )
 
 
 # Rows per parallel task: enough tasks (up to 256) to balance the threads, and enough rows in
@@ -318,8 +397,25 @@ _MAX_TASKS = 256
 
 
 @njit(cache=_CACHE, parallel=True)
-def rotate_parallel(x1, o1, in_place1, i1, x2, o2, in_place2, i2, g, cos, sin, seg, rotary_dim,
-                    d, half_style, sign, copy_tail):
+def rotate_parallel(
+    x1,
+    o1,
+    in_place1,
+    i1,
+    x2,
+    o2,
+    in_place2,
+    i2,
+    g,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    sign,
+    copy_tail,
+):
     n1 = _count_rows(g, 0)
     n2 = _count_rows(g, 1)
     chunk = max(_MIN_TASK_ROWS, (n1 + n2 + _MAX_TASKS - 1) // _MAX_TASKS)
@@ -328,12 +424,44 @@ def rotate_parallel(x1, o1, in_place1, i1, x2, o2, in_place2, i2, g, cos, sin, s
     for task in prange(tasks1 + tasks2):
         if task < tasks1:
             first = task * chunk
-            _rows(x1, o1, in_place1, i1, g, 0, first, min(first + chunk, n1), cos, sin, seg,
-                  rotary_dim, d, half_style, sign, copy_tail)
+            _rows(
+                x1,
+                o1,
+                in_place1,
+                i1,
+                g,
+                0,
+                first,
+                min(first + chunk, n1),
+                cos,
+                sin,
+                seg,
+                rotary_dim,
+                d,
+                half_style,
+                sign,
+                copy_tail,
+            )
         else:
             first = (task - tasks1) * chunk
-            _rows(x2, o2, in_place2, i2, g, 1, first, min(first + chunk, n2), cos, sin, seg,
-                  rotary_dim, d, half_style, sign, copy_tail)
+            _rows(
+                x2,
+                o2,
+                in_place2,
+                i2,
+                g,
+                1,
+                first,
+                min(first + chunk, n2),
+                cos,
+                sin,
+                seg,
+                rotary_dim,
+                d,
+                half_style,
+                sign,
+                copy_tail,
+            )
 
 
 @njit(cache=_CACHE)
@@ -380,5 +508,15 @@ def launch(rope, operands, cos, sin, inverse):
     d = operands[0][0].shape[-1]
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     sign = cos.dtype.type(-1.0 if inverse else 1.0)
-    kernel(*args, g, cos, sin, rope._segments, rope.rotary_dim, d, rope.style == "half", sign,
-           copy_tail)
+    kernel(
+        *args,
+        g,
+        cos,
+        sin,
+        rope._segments,
+        rope.rotary_dim,
+        d,
+        rope.style == "half",
+        sign,
+        copy_tail,
+    )

@@ -186,8 +186,9 @@ def launch(rope, operands, cos, sin, inverse):
     with x0.device:
         g_host = geometry(operands, flat=False)
         g = _on_device(cupy, ("g", g_host.shape, g_host.tobytes()), g_host)
-        pair_axis = _on_device(cupy, ("axes", rope._pair_axis.tobytes()),
-                               rope._pair_axis.astype(np.int32))
+        pair_axis = _on_device(
+            cupy, ("axes", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
+        )
         args = []
         for x, out, idx in operands:
             args += (x, out, cupy.asarray(idx))  # arrays pass as the address of element 0
@@ -202,8 +203,18 @@ def launch(rope, operands, cos, sin, inverse):
         kernel(
             grid=((n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,),
             block=(LANES, ROWS_PER_BLOCK),
-            args=(*args, g, np.int32(g_host.shape[2] - 1), cupy.ascontiguousarray(cos),
-                  cupy.ascontiguousarray(sin), pair_axis, np.int32(rope.rotary_dim),
-                  np.int32(d), compute(-1.0 if inverse else 1.0), np.int32(copy_tail),
-                  np.int64(n1), np.int64(n2)),
+            args=(
+                *args,
+                g,
+                np.int32(g_host.shape[2] - 1),
+                cupy.ascontiguousarray(cos),
+                cupy.ascontiguousarray(sin),
+                pair_axis,
+                np.int32(rope.rotary_dim),
+                np.int32(d),
+                compute(-1.0 if inverse else 1.0),
+                np.int32(copy_tail),
+                np.int64(n1),
+                np.int64(n2),
+            ),
         )

@@ -99,8 +99,9 @@ def _kernel(bf16_bits, half_style, compute):
             a[i] = value
 
     @cuda.jit
-    def rope_kernel(x1, o1, i1, x2, o2, i2, g, cos, sin, pair_axis, rotary_dim, d, sign,
-                    copy_tail, n1, n2):
+    def rope_kernel(
+        x1, o1, i1, x2, o2, i2, g, cos, sin, pair_axis, rotary_dim, d, sign, copy_tail, n1, n2
+    ):
         row = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
         t = 0
         if row >= n1:
@@ -195,9 +196,17 @@ def launch(rope, operands, cos, sin, inverse):
     copy_tail = rope.rotary_dim < d and any(o is not x for x, o, _ in operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     kernel[(blocks,), (LANES, ROWS_PER_BLOCK)](
-        *args, to_device(g), to_device(cos), to_device(sin), to_device(rope._pair_axis),
-        np.int64(rope.rotary_dim), np.int64(d), compute(-1.0 if inverse else 1.0), copy_tail,
-        np.int64(n1), np.int64(n2),
+        *args,
+        to_device(g),
+        to_device(cos),
+        to_device(sin),
+        to_device(rope._pair_axis),
+        np.int64(rope.rotary_dim),
+        np.int64(d),
+        compute(-1.0 if inverse else 1.0),
+        copy_tail,
+        np.int64(n1),
+        np.int64(n2),
     )
     if moved is not None:
         for of in written:

@@ -9,24 +9,65 @@ from ._errors import RopeTypeError, RopeValueError
 # Pair style per model family, as Hugging Face transformers rotates it: rotate_half pairs
 # (x[i], x[i + d/2]) for the Llama lineage; adjacent pairs where the family multiplies complex
 # numbers or rotates every two (DeepSeek-V2/V3, GPT-J, Cohere).
-HALF_FAMILIES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl",
-    "qwen2_5_vl", "qwen3_vl", "phi", "phi3", "phimoe", "gpt_neox", "gemma", "gemma2", "gemma3",
-    "gemma3_text", "olmo", "olmo2", "starcoder2", "stablelm", "falcon", "granite", "internlm2",
-    "persimmon", "exaone", "nemotron", "smollm3",
-})
+HALF_FAMILIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "phi",
+        "phi3",
+        "phimoe",
+        "gpt_neox",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "olmo",
+        "olmo2",
+        "starcoder2",
+        "stablelm",
+        "falcon",
+        "granite",
+        "internlm2",
+        "persimmon",
+        "exaone",
+        "nemotron",
+        "smollm3",
+    }
+)
 INTERLEAVED_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "gptj", "cohere", "cohere2"})
 # Families whose Hugging Face config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset({"llama", "mistral", "mixtral", "gptj", "phi", "gpt_neox"})
 
-_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor",
-                "original_max_position_embeddings", "mrope_section", "mrope_interleaved"}
+_COMMON_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "partial_rotary_factor",
+    "original_max_position_embeddings",
+    "mrope_section",
+    "mrope_interleaved",
+}
 _KEYS = {
     "default": set(),
     "linear": {"factor"},
     "dynamic": {"factor"},
-    "yarn": {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-             "truncate"},
+    "yarn": {
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    },
     "longrope": {"short_factor", "long_factor", "factor", "attention_factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
 }
@@ -77,9 +118,7 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
         raise RopeValueError(f"rope_type {kind!r} and type {old_kind!r} disagree")
     kind = _ALIASES.get(kind or old_kind or "default", kind or old_kind or "default")
     if kind not in _KEYS:
-        raise RopeValueError(
-            f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}"
-        )
+        raise RopeValueError(f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}")
     unknown = set(params) - _COMMON_KEYS - _KEYS[kind]
     if unknown:
         raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
@@ -103,8 +142,9 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
                 f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})"
             )
         head_dim = hidden // heads
-    partial = params.get("partial_rotary_factor",
-                         cfg.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0)))
+    partial = params.get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0))
+    )
     if not (0 < float(partial) <= 1):
         raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
     rotary_dim = int(head_dim * float(partial))  # truncation, as transformers does
@@ -126,21 +166,24 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
             )
 
     max_pos = cfg.get("max_position_embeddings")
-    orig = params.get("original_max_position_embeddings",
-                      cfg.get("original_max_position_embeddings"))
+    orig = params.get(
+        "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+    )
     rule = None
     if kind == "linear":
         rule = sc.Linear(_need(params, "factor", "rope_scaling"))
     elif kind == "dynamic":
-        rule = sc.DynamicNTK(_need(params, "factor", "rope_scaling"),
-                             orig or _need(cfg, "max_position_embeddings"))
+        rule = sc.DynamicNTK(
+            _need(params, "factor", "rope_scaling"), orig or _need(cfg, "max_position_embeddings")
+        )
     elif kind == "yarn":
         orig = orig or _need(cfg, "max_position_embeddings")
         factor = params.get("factor")
         if factor is None:
             factor = _need(cfg, "max_position_embeddings") / orig
         rule = sc.YaRN(
-            factor, orig,
+            factor,
+            orig,
             beta_fast=params.get("beta_fast") or 32.0,
             beta_slow=params.get("beta_slow") or 1.0,
             mscale=params.get("mscale") or 0.0,
@@ -153,21 +196,41 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
         factor = params.get("factor")
         if factor is None and max_pos is not None:
             factor = max_pos / orig
-        rule = sc.LongRoPE(_need(params, "short_factor", "rope_scaling"),
-                           _need(params, "long_factor", "rope_scaling"), orig, factor=factor,
-                           attention_factor=params.get("attention_factor"))
+        rule = sc.LongRoPE(
+            _need(params, "short_factor", "rope_scaling"),
+            _need(params, "long_factor", "rope_scaling"),
+            orig,
+            factor=factor,
+            attention_factor=params.get("attention_factor"),
+        )
     elif kind == "llama3":
-        rule = sc.Llama3(_need(params, "factor", "rope_scaling"),
-                         _need(params, "low_freq_factor", "rope_scaling"),
-                         _need(params, "high_freq_factor", "rope_scaling"),
-                         _need(params, "original_max_position_embeddings", "rope_scaling"))
+        rule = sc.Llama3(
+            _need(params, "factor", "rope_scaling"),
+            _need(params, "low_freq_factor", "rope_scaling"),
+            _need(params, "high_freq_factor", "rope_scaling"),
+            _need(params, "original_max_position_embeddings", "rope_scaling"),
+        )
 
     sections = params.get("mrope_section")
     if sections is not None:
         assign = "interleaved" if params.get("mrope_interleaved") else "contiguous"
-        return cls.sectioned(head_dim, tuple(sections), base=theta, style=style, assign=assign,
-                             rotary_dim=rotary_dim, max_positions=max_positions, scaling=rule)
+        return cls.sectioned(
+            head_dim,
+            tuple(sections),
+            base=theta,
+            style=style,
+            assign=assign,
+            rotary_dim=rotary_dim,
+            max_positions=max_positions,
+            scaling=rule,
+        )
     if not (isinstance(theta, (int, float)) and math.isfinite(theta)):
         raise RopeValueError(f"rope_theta must be a finite number, got {theta!r}")
-    return cls(head_dim, base=theta, style=style, rotary_dim=rotary_dim,
-               max_positions=max_positions, scaling=rule)
+    return cls(
+        head_dim,
+        base=theta,
+        style=style,
+        rotary_dim=rotary_dim,
+        max_positions=max_positions,
+        scaling=rule,
+    )

@@ -36,11 +36,12 @@ def adopt(name, a):
     if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
         from ._api import ACCEPTED
 
-        raise RopeTypeError(f"{name} must be {ACCEPTED}, got {type(a).__module__}."
-                            f"{type(a).__name__}")
+        raise RopeTypeError(
+            f"{name} must be {ACCEPTED}, got {type(a).__module__}.{type(a).__name__}"
+        )
     framework = _framework(a)
     device_type = int(a.__dlpack_device__()[0])
-    source, bits = (_torch_bits(a) if framework == "torch" else (a, False))
+    source, bits = _torch_bits(a) if framework == "torch" else (a, False)
     try:
         if device_type == _CPU:
             native = np.from_dlpack(source)
@@ -49,8 +50,10 @@ def adopt(name, a):
 
             native = cupy.from_dlpack(source)
         else:
-            raise RopeTypeError(f"{name} is on DLPack device type {device_type}; arrayrope runs "
-                                "on CPU (NumPy) and CUDA (CuPy) memory")
+            raise RopeTypeError(
+                f"{name} is on DLPack device type {device_type}; arrayrope runs "
+                "on CPU (NumPy) and CUDA (CuPy) memory"
+            )
     except (BufferError, TypeError, RuntimeError, ValueError) as error:
         if isinstance(error, RopeTypeError):
             raise
@@ -60,7 +63,8 @@ def adopt(name, a):
 
         native = native.view(ml_dtypes.bfloat16)
     read_only = framework in ("jax", "jaxlib") or (
-        isinstance(native, np.ndarray) and not native.flags.writeable)
+        isinstance(native, np.ndarray) and not native.flags.writeable
+    )
     return native, _restorer(framework, a), read_only
 
 

@@ -54,7 +54,9 @@ def geometry(operands, flat):
     Offsets are into ``flat_view`` buffers when ``flat``, else 0 (addresses from element 0, with
     signed strides). A missing second operand has zero rows. Memoized on shapes and strides.
     """
-    key = (flat,) + tuple((x.shape, x.strides, o.strides, i.shape, i.strides) for x, o, i in operands)
+    key = (flat,) + tuple(
+        (x.shape, x.strides, o.strides, i.shape, i.strides) for x, o, i in operands
+    )
     g = _geometry_cache.get(key)
     if g is not None:
         return g

@@ -64,8 +64,15 @@ def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
     head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config
     rope = RoPE.__new__(RoPE)
-    rope._setup(head_dim, rotary_dim, style, max_positions, scaling, list(blocks),
-                np.array(pair_axis, dtype=np.int64))
+    rope._setup(
+        head_dim,
+        rotary_dim,
+        style,
+        max_positions,
+        scaling,
+        list(blocks),
+        np.array(pair_axis, dtype=np.int64),
+    )
     rope.base = base
     return rope
 
@@ -112,8 +119,16 @@ class RoPE:
         Position components per token (1 here; see :meth:`axial`, :meth:`sectioned`).
     """
 
-    def __init__(self, head_dim, *, base=10000.0, style="interleaved", rotary_dim=None,
-                 max_positions=None, scaling=None):
+    def __init__(
+        self,
+        head_dim,
+        *,
+        base=10000.0,
+        style="interleaved",
+        rotary_dim=None,
+        max_positions=None,
+        scaling=None,
+    ):
         head_dim = _int_arg("head_dim", head_dim, minimum=2)
         if head_dim % 2:
             raise RopeValueError(f"head_dim must be even, got {head_dim}")
@@ -125,8 +140,15 @@ class RoPE:
                 f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
             )
         base = _base_arg(base)
-        self._setup(head_dim, rotary_dim, _style_arg(style), max_positions, scaling,
-                    blocks=[(rotary_dim, base)], pair_axis=np.zeros(rotary_dim // 2, np.int64))
+        self._setup(
+            head_dim,
+            rotary_dim,
+            _style_arg(style),
+            max_positions,
+            scaling,
+            blocks=[(rotary_dim, base)],
+            pair_axis=np.zeros(rotary_dim // 2, np.int64),
+        )
         self.base = base
 
     def _setup(self, head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis):
@@ -175,7 +197,9 @@ class RoPE:
                 if len(self._sets) >= 64:  # a long-running dynamic rule must not pile up tables
                     self._sets.clear()
                 found = self._sets[key] = FreqSet(
-                    np.ascontiguousarray(inv_freq, dtype=np.float64), self._pair_axis, scale,
+                    np.ascontiguousarray(inv_freq, dtype=np.float64),
+                    self._pair_axis,
+                    scale,
                     self.max_positions,
                 )
         return found
@@ -204,14 +228,31 @@ class RoPE:
         head_dim = sum(dims)
         rope = cls.__new__(cls)
         pair_axis = np.repeat(np.arange(len(dims), dtype=np.int64), [n // 2 for n in dims])
-        rope._setup(head_dim, head_dim, _style_arg(style), max_positions, scaling,
-                    blocks=[(n, base) for n in dims], pair_axis=pair_axis)
+        rope._setup(
+            head_dim,
+            head_dim,
+            _style_arg(style),
+            max_positions,
+            scaling,
+            blocks=[(n, base) for n in dims],
+            pair_axis=pair_axis,
+        )
         rope.base = base
         return rope
 
     @classmethod
-    def sectioned(cls, head_dim, sections, *, base=10000.0, style="half", assign="contiguous",
-                  rotary_dim=None, max_positions=None, scaling=None):
+    def sectioned(
+        cls,
+        head_dim,
+        sections,
+        *,
+        base=10000.0,
+        style="half",
+        assign="contiguous",
+        rotary_dim=None,
+        max_positions=None,
+        scaling=None,
+    ):
         """Multi-axis RoPE with shared frequencies (Qwen2-VL M-RoPE, Qwen3-VL).
 
         Parameters
@@ -228,8 +269,9 @@ class RoPE:
         head_dim = _int_arg("head_dim", head_dim, minimum=2)
         if head_dim % 2:
             raise RopeValueError(f"head_dim must be even, got {head_dim}")
-        rotary_dim = head_dim if rotary_dim is None else _int_arg("rotary_dim", rotary_dim,
-                                                                    minimum=2)
+        rotary_dim = (
+            head_dim if rotary_dim is None else _int_arg("rotary_dim", rotary_dim, minimum=2)
+        )
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise RopeValueError(
                 f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
@@ -258,13 +300,18 @@ class RoPE:
                     f"a >= 1 needs n_axes * sections[a] <= {pairs}); got counts {counts}"
                 )
         else:
-            raise RopeValueError(
-                f"assign must be 'contiguous' or 'interleaved', got {assign!r}"
-            )
+            raise RopeValueError(f"assign must be 'contiguous' or 'interleaved', got {assign!r}")
         base = _base_arg(base)
         rope = cls.__new__(cls)
-        rope._setup(head_dim, rotary_dim, _style_arg(style), max_positions, scaling,
-                    blocks=[(rotary_dim, base)], pair_axis=pair_axis)
+        rope._setup(
+            head_dim,
+            rotary_dim,
+            _style_arg(style),
+            max_positions,
+            scaling,
+            blocks=[(rotary_dim, base)],
+            pair_axis=pair_axis,
+        )
         rope.base = base
         return rope
 
@@ -297,8 +344,16 @@ class RoPE:
         # The configuration only, and one RoPE per configuration per process on the way back:
         # the tasks of a Dask worker share one instance and its cos/sin cache instead of each
         # rebuilding the tables. Caches and the lock never travel.
-        config = (self.head_dim, self.rotary_dim, self.style, self.max_positions, self.scaling,
-                  self._blocks, tuple(int(a) for a in self._pair_axis), self.base)
+        config = (
+            self.head_dim,
+            self.rotary_dim,
+            self.style,
+            self.max_positions,
+            self.scaling,
+            self._blocks,
+            tuple(int(a) for a in self._pair_axis),
+            self.base,
+        )
         return _restore, (config,)
 
     @property
@@ -311,8 +366,10 @@ class RoPE:
 
     def __repr__(self):
         extra = "" if self.scaling is None else f", scaling={self.scaling!r}"
-        return (f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
-                f"style={self.style!r}, n_axes={self.n_axes}{extra})")
+        return (
+            f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"style={self.style!r}, n_axes={self.n_axes}{extra})"
+        )
 
     def rotate(self, x, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
         """Rotate ``x`` by its positions.
@@ -347,8 +404,9 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        return _api.apply(self, (x,), pos, inverse, None if out is None else (out,), backend,
-                          seq_len)[0]
+        return _api.apply(
+            self, (x,), pos, inverse, None if out is None else (out,), backend, seq_len
+        )[0]
 
     def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
         """Rotate queries and keys by the same positions in one pass.

@@ -113,8 +113,11 @@ class DynamicNTK(ScalingRule):
 
     def __post_init__(self):
         object.__setattr__(self, "factor", _positive("factor", self.factor))
-        object.__setattr__(self, "original_max_positions",
-                           _length("original_max_positions", self.original_max_positions))
+        object.__setattr__(
+            self,
+            "original_max_positions",
+            _length("original_max_positions", self.original_max_positions),
+        )
 
     def check(self, blocks):
         _no_two_feature_blocks(blocks, "DynamicNTK")
@@ -157,8 +160,11 @@ class YaRN(ScalingRule):
 
     def __post_init__(self):
         object.__setattr__(self, "factor", _positive("factor", self.factor))
-        object.__setattr__(self, "original_max_positions",
-                           _length("original_max_positions", self.original_max_positions))
+        object.__setattr__(
+            self,
+            "original_max_positions",
+            _length("original_max_positions", self.original_max_positions),
+        )
         object.__setattr__(self, "beta_fast", _positive("beta_fast", self.beta_fast))
         object.__setattr__(self, "beta_slow", _positive("beta_slow", self.beta_slow))
         for name in ("mscale", "mscale_all_dim"):
@@ -167,15 +173,19 @@ class YaRN(ScalingRule):
                 raise RopeValueError(f"{name} must be finite and >= 0, got {value!r}")
             object.__setattr__(self, name, value)
         if self.attention_factor is not None:
-            object.__setattr__(self, "attention_factor",
-                               _positive("attention_factor", self.attention_factor))
+            object.__setattr__(
+                self, "attention_factor", _positive("attention_factor", self.attention_factor)
+            )
         if not isinstance(self.truncate, (bool, np.bool_)):
             raise RopeTypeError(f"truncate must be a bool, got {self.truncate!r}")
 
     def _block(self, dim, base, key):
         def correction_dim(rotations):
-            return (dim * math.log(self.original_max_positions / (rotations * 2 * math.pi))
-                    / (2 * math.log(base)))
+            return (
+                dim
+                * math.log(self.original_max_positions / (rotations * 2 * math.pi))
+                / (2 * math.log(base))
+            )
 
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
@@ -192,8 +202,9 @@ class YaRN(ScalingRule):
         if self.attention_factor is not None:
             return self.attention_factor
         if self.mscale and self.mscale_all_dim:
-            return (_yarn_mscale(self.factor, self.mscale)
-                    / _yarn_mscale(self.factor, self.mscale_all_dim))
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
         return _yarn_mscale(self.factor)
 
 
@@ -210,8 +221,11 @@ class Llama3(ScalingRule):
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        object.__setattr__(self, "original_max_positions",
-                           _length("original_max_positions", self.original_max_positions))
+        object.__setattr__(
+            self,
+            "original_max_positions",
+            _length("original_max_positions", self.original_max_positions),
+        )
         if self.high_freq_factor <= self.low_freq_factor:
             raise RopeValueError(
                 f"high_freq_factor ({self.high_freq_factor}) must be > low_freq_factor "
@@ -226,7 +240,8 @@ class Llama3(ScalingRule):
         high_wavelen = orig / self.high_freq_factor
         scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
         smooth = (orig / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
+            self.high_freq_factor - self.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled)
@@ -255,7 +270,9 @@ class LongRoPE(ScalingRule):
             try:
                 values = tuple(float(v) for v in values)
             except (TypeError, ValueError):
-                raise RopeTypeError(f"{name} must be a sequence of numbers, got {values!r}") from None
+                raise RopeTypeError(
+                    f"{name} must be a sequence of numbers, got {values!r}"
+                ) from None
             if not values or not all(math.isfinite(v) and v > 0 for v in values):
                 raise RopeValueError(f"{name} must be finite numbers > 0, got {values!r}")
             object.__setattr__(self, name, values)
@@ -264,8 +281,11 @@ class LongRoPE(ScalingRule):
                 f"short_factor and long_factor must have one value per pair, got "
                 f"{len(self.short_factor)} and {len(self.long_factor)}"
             )
-        object.__setattr__(self, "original_max_positions",
-                           _length("original_max_positions", self.original_max_positions))
+        object.__setattr__(
+            self,
+            "original_max_positions",
+            _length("original_max_positions", self.original_max_positions),
+        )
         for name in ("factor", "attention_factor"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _positive(name, getattr(self, name)))

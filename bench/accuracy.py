@@ -44,7 +44,9 @@ def main():
     ulp = float(np.spacing(np.float32(np.abs(x).max())))
     print("float32 rotation error against float64, head_dim 128, base 10000, 256 vectors")
     print(f"(one float32 ulp of the largest |x| = {ulp:.3g})\n")
-    print("| position | arrayrope max error | in ulps | float32-angle formula max error | in ulps |")
+    print(
+        "| position | arrayrope max error | in ulps | float32-angle formula max error | in ulps |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for pos in (10**3, 10**5, 10**6, 10**7):
         exact = float64_rotation(x, pos, inv_freq)

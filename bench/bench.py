@@ -70,8 +70,9 @@ def paired(fn, ceilings, repeats):
 
 
 def cpu_rows(shapes, dtypes, repeats):
-    import arrayrope as ar
     from numba import njit, prange
+
+    import arrayrope as ar
 
     @njit(parallel=True, cache=True)
     def threaded_copy(src, dst):
@@ -94,25 +95,45 @@ def cpu_rows(shapes, dtypes, repeats):
 
             for style in ("interleaved", "half"):
                 cases = {
-                    "rotate out=": (lambda: ar.rotate(x, style=style, out=out), copies(x, out),
-                                    2 * x.nbytes),
+                    "rotate out=": (
+                        lambda: ar.rotate(x, style=style, out=out),
+                        copies(x, out),
+                        2 * x.nbytes,
+                    ),
                     # allocating: against a copy that allocates its result too
                     "rotate new": (lambda: ar.rotate(x, style=style), [x.copy], 2 * x.nbytes),
-                    "rotate in place": (lambda: ar.rotate(out, style=style, out=out),
-                                        copies(x, out), 2 * x.nbytes),
-                    "rotate_qk out=": (lambda: ar.rotate_qk(x, k, style=style, out=(out, k_out)),
-                                       copies(qk, qk_out), 2 * qk.nbytes),
+                    "rotate in place": (
+                        lambda: ar.rotate(out, style=style, out=out),
+                        copies(x, out),
+                        2 * x.nbytes,
+                    ),
+                    "rotate_qk out=": (
+                        lambda: ar.rotate_qk(x, k, style=style, out=(out, k_out)),
+                        copies(qk, qk_out),
+                        2 * qk.nbytes,
+                    ),
                 }
-                reference = median_time(lambda: ar.rotate(x, style=style, backend="numpy"),
-                                        max(3, repeats // 3), warmup=1)
+                reference = median_time(
+                    lambda: ar.rotate(x, style=style, backend="numpy"),
+                    max(3, repeats // 3),
+                    warmup=1,
+                )
                 for name, (fn, ceilings, moved) in cases.items():
                     t, ceiling, ratio = paired(fn, ceilings, repeats)
-                    rows.append({
-                        "device": "cpu", "op": name, "shape": shape, "dtype": np.dtype(dtype).name,
-                        "style": style, "ms": t * 1e3, "GB/s": moved / t / 1e9,
-                        "copy GB/s": moved / ceiling / 1e9, "of ceiling": ratio,
-                        "vs numpy": reference / t if name.startswith("rotate ") else None,
-                    })
+                    rows.append(
+                        {
+                            "device": "cpu",
+                            "op": name,
+                            "shape": shape,
+                            "dtype": np.dtype(dtype).name,
+                            "style": style,
+                            "ms": t * 1e3,
+                            "GB/s": moved / t / 1e9,
+                            "copy GB/s": moved / ceiling / 1e9,
+                            "of ceiling": ratio,
+                            "vs numpy": reference / t if name.startswith("rotate ") else None,
+                        }
+                    )
     return rows
 
 
@@ -168,27 +189,49 @@ def gpu_rows(shapes, dtypes, repeats):
             nbytes = 2 * x.nbytes
             for style in ("interleaved", "half"):
                 cases = {
-                    "cupy rotate out=": lambda: ar.rotate(x, style=style, out=out,
-                                                          backend="cupy"),
-                    "numba-cuda rotate out=": lambda: ar.rotate(x, style=style, out=out,
-                                                                backend="numba-cuda"),
-                    "cupy elementwise reference": lambda: ar.rotate(x, style=style,
-                                                                    backend="numpy"),
+                    "cupy rotate out=": lambda: ar.rotate(x, style=style, out=out, backend="cupy"),
+                    "numba-cuda rotate out=": lambda: ar.rotate(
+                        x, style=style, out=out, backend="numba-cuda"
+                    ),
+                    "cupy elementwise reference": lambda: ar.rotate(
+                        x, style=style, backend="numpy"
+                    ),
                 }
                 for name, fn in cases.items():
                     t, host = device_time(fn)
-                    rows.append({"device": "gpu", "op": name, "shape": shape,
-                                 "dtype": np.dtype(dtype).name, "style": style, "ms": t * 1e3,
-                                 "GB/s": nbytes / t / 1e9, "copy GB/s": nbytes / copy / 1e9,
-                                 "of ceiling": copy / t, "host us": host * 1e6})
+                    rows.append(
+                        {
+                            "device": "gpu",
+                            "op": name,
+                            "shape": shape,
+                            "dtype": np.dtype(dtype).name,
+                            "style": style,
+                            "ms": t * 1e3,
+                            "GB/s": nbytes / t / 1e9,
+                            "copy GB/s": nbytes / copy / 1e9,
+                            "of ceiling": copy / t,
+                            "host us": host * 1e6,
+                        }
+                    )
     x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 32, 1, 128)), np.float32)
     out = cupy.empty_like(x)
     for backend in ("cupy", "numba-cuda"):
         fn = lambda: ar.rotate(x, 1234, out=out, backend=backend)  # noqa: E731
         t, host = device_time(fn)
-        rows.append({"device": "gpu", "op": f"decode {backend}", "shape": (1, 32, 1, 128),
-                     "dtype": "float32", "style": "interleaved", "ms": t * 1e3, "GB/s": None,
-                     "copy GB/s": None, "of ceiling": None, "host us": host * 1e6})
+        rows.append(
+            {
+                "device": "gpu",
+                "op": f"decode {backend}",
+                "shape": (1, 32, 1, 128),
+                "dtype": "float32",
+                "style": "interleaved",
+                "ms": t * 1e3,
+                "GB/s": None,
+                "copy GB/s": None,
+                "of ceiling": None,
+                "host us": host * 1e6,
+            }
+        )
     return rows
 
 
@@ -211,27 +254,42 @@ def main():
     start = time.time()
     first = cold_start()  # the first run compiles and fills the disk cache
     import_s, first_call_s = cold_start()
-    print(f"# arrayrope benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, numpy {np.__version__}")
-    print(f"cold start: import arrayrope {import_s * 1e3:.0f} ms; first call {first_call_s * 1e3:.0f} ms "
-          f"from the disk cache ({first[1]:.1f} s when the cache was cold)")
+    print(
+        f"# arrayrope benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"numpy {np.__version__}"
+    )
+    print(
+        f"cold start: import arrayrope {import_s * 1e3:.0f} ms; first call "
+        f"{first_call_s * 1e3:.0f} ms from the disk cache ({first[1]:.1f} s when the cache was "
+        "cold)"
+    )
     rows = []
     if not args.no_cpu:
         decode = decode_row(repeats)
-        print("\ndecode step (1, 32, 1, 128) float32, us per call, every Python-level check included:")
+        print(
+            "\ndecode step (1, 32, 1, 128) float32, us per call, every Python-level check included:"
+        )
         for name, us in decode.items():
             print(f"  {name:24s} {us:7.2f} us")
         rows = cpu_rows(shapes, dtypes, repeats)
-    gpu = gpu_rows(shapes + [(8, 32, 4096, 128)], dtypes, repeats) if not args.quick else \
-        gpu_rows(shapes, dtypes, repeats)
+    gpu = (
+        gpu_rows(shapes + [(8, 32, 4096, 128)], dtypes, repeats)
+        if not args.quick
+        else gpu_rows(shapes, dtypes, repeats)
+    )
     if gpu:
         rows += gpu
-    print("\n| device | op | shape | dtype | style | ms | GB/s | copy GB/s | of ceiling | vs numpy |")
+    print(
+        "\n| device | op | shape | dtype | style | ms | GB/s | copy GB/s | of ceiling | vs numpy |"
+    )
     print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['device']} | {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | "
-              f"{fmt(r['ms'], '.3f')} | {fmt(r['GB/s'], '.1f')} | {fmt(r['copy GB/s'], '.1f')} | "
-              f"{fmt(r['of ceiling'], '.2f')} | {fmt(r.get('vs numpy') or r.get('host us'), '.1f')} |")
+        print(
+            f"| {r['device']} | {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | "
+            f"{fmt(r['ms'], '.3f')} | {fmt(r['GB/s'], '.1f')} | {fmt(r['copy GB/s'], '.1f')} | "
+            f"{fmt(r['of ceiling'], '.2f')} | {fmt(r.get('vs numpy') or r.get('host us'), '.1f')} |"
+        )
     if gpu is None:
         print("\n(no GPU rows: CuPy is not installed or sees no GPU)")
     if not args.no_dask and not args.no_cpu:
@@ -241,17 +299,23 @@ def main():
             print(f"\n(no Dask row: {error})")
         else:
             r = dask_run(1.0 if args.quick else 4.3)
-            print(f"\nDask, {r['bytes'] / 1e9:.1f} GB float32 generated chunk by chunk on "
-                  f"{r['workers']} worker processes: rotate {r['dask GB/s']:.2f} GB/s of x "
-                  f"(the same pipeline without the rotation: {r['dask GB/s without rotation']:.2f}"
-                  f" GB/s); single-process kernel {r['single-process kernel GB/s']:.1f} GB/s "
-                  f"read+write; worker peak RSS {r['worker peak MB']} MB")
+            print(
+                f"\nDask, {r['bytes'] / 1e9:.1f} GB float32 generated chunk by chunk on "
+                f"{r['workers']} worker processes: rotate {r['dask GB/s']:.2f} GB/s of x "
+                f"(the same pipeline without the rotation: {r['dask GB/s without rotation']:.2f}"
+                f" GB/s); single-process kernel {r['single-process kernel GB/s']:.1f} GB/s "
+                f"read+write; worker peak RSS {r['worker peak MB']} MB"
+            )
             rows.append({"device": "dask", **r})
     print(f"\ntotal {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "import_s": import_s, "first_call_s": first_call_s}, f,
-                      default=str, indent=1)
+            json.dump(
+                {"rows": rows, "import_s": import_s, "first_call_s": first_call_s},
+                f,
+                default=str,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ def run(gb=4.3, workers=2):
     batch = max(2, int(round(gb * 2**30 / (32 * 8192 * 128 * 4))))
     shape, chunks = (batch, 32, 8192, 128), (1, 32, 2048, 128)  # 32 MiB chunks
     nbytes = int(np.prod(shape)) * 4
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, memory_limit="6GB")
+    cluster = LocalCluster(
+        n_workers=workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        memory_limit="6GB",
+    )
     client = Client(cluster)
     try:
         rope = ar.RoPE(128, style="half")
@@ -63,8 +68,11 @@ def run(gb=4.3, workers=2):
     t_chunk = (time.perf_counter() - start) / 5
     assert np.isfinite(total) and np.isfinite(baseline)
     return {
-        "bytes": nbytes, "workers": workers, "generate+rotate+sum s": t_rope,
-        "generate+sum s": t_base, "dask GB/s": nbytes / t_rope / 1e9,
+        "bytes": nbytes,
+        "workers": workers,
+        "generate+rotate+sum s": t_rope,
+        "generate+sum s": t_base,
+        "dask GB/s": nbytes / t_rope / 1e9,
         "dask GB/s without rotation": nbytes / t_base / 1e9,
         "single-process kernel GB/s": 2 * chunk.nbytes / t_chunk / 1e9,
         "worker peak MB": sorted(round(v) for v in peaks.values()),
@@ -76,11 +84,13 @@ def main():
     parser.add_argument("--gb", type=float, default=4.3)
     args = parser.parse_args()
     r = run(args.gb)
-    print(f"dask: {r['bytes'] / 1e9:.1f} GB float32 on {r['workers']} worker processes: "
-          f"generate+rotate+sum {r['generate+rotate+sum s']:.2f} s = {r['dask GB/s']:.2f} GB/s "
-          f"of x (generate+sum alone {r['dask GB/s without rotation']:.2f} GB/s); "
-          f"single-process kernel on one 32 MiB chunk {r['single-process kernel GB/s']:.1f} GB/s "
-          f"(read+write); worker peak RSS {r['worker peak MB']} MB")
+    print(
+        f"dask: {r['bytes'] / 1e9:.1f} GB float32 on {r['workers']} worker processes: "
+        f"generate+rotate+sum {r['generate+rotate+sum s']:.2f} s = {r['dask GB/s']:.2f} GB/s "
+        f"of x (generate+sum alone {r['dask GB/s without rotation']:.2f} GB/s); "
+        f"single-process kernel on one 32 MiB chunk {r['single-process kernel GB/s']:.1f} GB/s "
+        f"(read+write); worker peak RSS {r['worker peak MB']} MB"
+    )
 
 
 if __name__ == "__main__":

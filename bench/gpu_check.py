@@ -19,9 +19,20 @@ def main():
     start = time.time()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-         "tests/test_gpu.py", "tests/test_cuda_numba.py", "tests/test_cuda_source.py"],
-        cwd=ROOT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_gpu.py",
+            "tests/test_cuda_numba.py",
+            "tests/test_cuda_source.py",
+        ],
+        cwd=ROOT,
+        env=env,
     )
     import cupy
     import ml_dtypes
@@ -35,18 +46,27 @@ def main():
     except Exception as error:  # noqa: BLE001 - reported, not raised
         bf16 = f"no ({type(error).__name__})"
     device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    rows = gpu_rows([(4, 32, 2048, 128), (8, 32, 4096, 128)],
-                    [np.float32, np.float16, ml_dtypes.bfloat16], repeats=20)
-    print(f"\n# {device}, CuPy {cupy.__version__}, CuPy holds bfloat16 arrays: {bf16}; "
-          f"tests {'passed' if tests.returncode == 0 else 'FAILED'}; {time.time() - start:.0f} s")
+    rows = gpu_rows(
+        [(4, 32, 2048, 128), (8, 32, 4096, 128)],
+        [np.float32, np.float16, ml_dtypes.bfloat16],
+        repeats=20,
+    )
+    print(
+        f"\n# {device}, CuPy {cupy.__version__}, CuPy holds bfloat16 arrays: {bf16}; "
+        f"tests {'passed' if tests.returncode == 0 else 'FAILED'}; {time.time() - start:.0f} s"
+    )
     print("| op | shape | dtype | style | us | GB/s | copy GB/s | of copy | host us/call |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows or []:
+
         def f(key, spec):
             return "-" if r.get(key) is None else format(r[key], spec)
-        print(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | {r['ms'] * 1e3:.1f} | "
-              f"{f('GB/s', '.0f')} | {f('copy GB/s', '.0f')} | {f('of ceiling', '.2f')} | "
-              f"{f('host us', '.1f')} |")
+
+        print(
+            f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | {r['ms'] * 1e3:.1f} | "
+            f"{f('GB/s', '.0f')} | {f('copy GB/s', '.0f')} | {f('of ceiling', '.2f')} | "
+            f"{f('host us', '.1f')} |"
+        )
     sys.exit(tests.returncode)
 
 

@@ -32,12 +32,14 @@ def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np)
     dtype = _api._table_dtype(xs[0].dtype)
     device = None if xp is np else xs[0].device.id
     cos, sin, idx = _api._tables(rope, values, is_int, high, xp, device, dtype, None)
-    operands, write_back = _api._kernel_operands(xs, outs, idx, xp, "numpy" if xp is np else
-                                                 "cupy", (None,) * len(xs))
+    operands, write_back = _api._kernel_operands(
+        xs, outs, idx, xp, "numpy" if xp is np else "cupy", (None,) * len(xs)
+    )
     launch(rope, operands, cos, sin, inverse)
     for temp, out in write_back:
         out[...] = temp
     return outs
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
@@ -49,8 +51,12 @@ REL_TOL = {
     np.dtype(np.float32): 2.0**-21,
     np.dtype(np.float64): 2.0**-48,
 }
-ABS_TOL = {np.dtype(np.float16): 2.0**-24, BF16: 2.0**-126, np.dtype(np.float32): 1e-30,
-           np.dtype(np.float64): 1e-300}
+ABS_TOL = {
+    np.dtype(np.float16): 2.0**-24,
+    BF16: 2.0**-126,
+    np.dtype(np.float32): 1e-30,
+    np.dtype(np.float64): 1e-300,
+}
 
 settings.register_profile(
     "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -77,8 +83,17 @@ def default_positions(shape):
     return np.arange(lead[-1]) if lead else np.zeros(())
 
 
-def oracle(x, pos=None, *, base=10000.0, style="interleaved", rotary_dim=None, inverse=False,
-           scale=1.0, freqs=None):
+def oracle(
+    x,
+    pos=None,
+    *,
+    base=10000.0,
+    style="interleaved",
+    rotary_dim=None,
+    inverse=False,
+    scale=1.0,
+    freqs=None,
+):
     """The float64 rotation of x (..., d) at positions broadcastable to x.shape[:-1]."""
     x64 = np.asarray(x).astype(np.float64)
     d = x64.shape[-1]
@@ -106,7 +121,7 @@ def matrix_oracle(x, m, base=10000.0):
     r = np.zeros((d, d))
     for i, theta in enumerate(inv_freq(d, base)):
         c, s = np.cos(m * theta), np.sin(m * theta)
-        r[2 * i:2 * i + 2, 2 * i:2 * i + 2] = [[c, -s], [s, c]]
+        r[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = [[c, -s], [s, c]]
     return r @ np.asarray(x, np.float64)
 
 

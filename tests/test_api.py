@@ -116,8 +116,9 @@ def test_max_positions_builds_once():
 def test_module_functions_share_one_rope():
     from arrayrope._api import shared_rope
 
-    assert shared_rope(64, 10000.0, "half", None, None) is shared_rope(64, 10000.0, "half", None,
-                                                                       None)
+    assert shared_rope(64, 10000.0, "half", None, None) is shared_rope(
+        64, 10000.0, "half", None, None
+    )
 
 
 def test_concurrent_calls_during_growth():
@@ -147,8 +148,9 @@ def test_cos_sin(like):
     pos = np.array([[0, 3], [10**6, 7]])
     cos, sin = rope.cos_sin(pos, like=like)
     assert cos.shape == sin.shape == (2, 2, 8)
-    assert cos.dtype == (np.float64 if like is not None and like.dtype == np.float64 else
-                         np.float32)
+    assert cos.dtype == (
+        np.float64 if like is not None and like.dtype == np.float64 else np.float32
+    )
     angle = pos[..., None] * rope.inv_freq
     np.testing.assert_allclose(cos, np.cos(angle), atol=1e-7)
     np.testing.assert_allclose(sin, np.sin(angle), atol=1e-7)

@@ -35,8 +35,9 @@ def test_matches_oracle(dtype, style, rotary_dim, inverse):
     pos = rng.integers(0, 10**6, size=3)
     rope = ar.RoPE(12, style=style, rotary_dim=rotary_dim)
     out = xp.asarray(poisoned(x.shape, dtype))
-    (y,) = run_launcher(_cuda_numba.launch, rope, (xp.asarray(x),), pos, inverse=inverse,
-                        outs=(out,), xp=xp)
+    (y,) = run_launcher(
+        _cuda_numba.launch, rope, (xp.asarray(x),), pos, inverse=inverse, outs=(out,), xp=xp
+    )
     expected = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
     assert_matches(_to_host(y), expected, x)
     reference = ar.rotate(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
@@ -44,8 +45,9 @@ def test_matches_oracle(dtype, style, rotary_dim, inverse):
     np.testing.assert_array_equal(tail.view(np.uint8), x[..., rotary_dim:].view(np.uint8))
     if dtype != np.float64:  # float32 arithmetic either way: at most one rounding apart
         got = _to_host(y).astype(np.float64)
-        np.testing.assert_allclose(got, reference.astype(np.float64), rtol=0,
-                                   atol=float(np.abs(x).max()) * 2.0**-7)
+        np.testing.assert_allclose(
+            got, reference.astype(np.float64), rtol=0, atol=float(np.abs(x).max()) * 2.0**-7
+        )
 
 
 @pytest.mark.parametrize("layout", ["reverse", "fused", "features", "inplace", "float-pos"])
@@ -68,8 +70,11 @@ def test_layouts(layout):
     host = np.ascontiguousarray(view)
     expected = ar.rotate(host, pos, style="half")
     device = xp.asarray(big)
-    dview = {"reverse": lambda b: b[1, ::-1, ::-2, :8], "fused": lambda b: b[:2, :, 1, 8:],
-             "features": lambda b: b[0, :, :3, ::2]}.get(layout, lambda b: b[2, :, :2, :8])(device)
+    dview = {
+        "reverse": lambda b: b[1, ::-1, ::-2, :8],
+        "fused": lambda b: b[:2, :, 1, 8:],
+        "features": lambda b: b[0, :, :3, ::2],
+    }.get(layout, lambda b: b[2, :, :2, :8])(device)
     outs = (dview,) if layout == "inplace" else None
     (y,) = run_launcher(_cuda_numba.launch, rope, (dview,), pos, outs=outs, xp=xp)
     np.testing.assert_allclose(_to_host(y), expected, rtol=0, atol=2e-6)
@@ -91,6 +96,7 @@ def test_multi_axis_positions():
     rope = ar.RoPE.sectioned(16, (2, 3, 3), style="half")
     x = rng.standard_normal((5, 16)).astype(np.float32)
     pos = rng.integers(0, 1000, size=(5, 3))
-    (y,) = run_launcher(_cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos)
-                        if xp is not np else pos, xp=xp)
+    (y,) = run_launcher(
+        _cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos) if xp is not np else pos, xp=xp
+    )
     np.testing.assert_allclose(_to_host(y), rope.rotate(x, pos), rtol=0, atol=2e-6)

@@ -21,18 +21,42 @@ def test_compiles_without_warnings(tmp_path, arch):
     source.write_text(SOURCE)
     ptx = tmp_path / "rope.ptx"
     result = subprocess.run(
-        [NVCC, "-std=c++14", f"-arch={arch}", "-Werror", "all-warnings", "-Xptxas", "-Werror",
-         "--ptx", str(source), "-o", str(ptx)],
-        capture_output=True, text=True,
+        [
+            NVCC,
+            "-std=c++14",
+            f"-arch={arch}",
+            "-Werror",
+            "all-warnings",
+            "-Xptxas",
+            "-Werror",
+            "--ptx",
+            str(source),
+            "-o",
+            str(ptx),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     entries = set(re.findall(r"\.visible \.entry (\w+)", ptx.read_text()))
     assert entries == set(KERNEL_NAMES)
     # And to machine code, which checks register and resource limits too.
     cubin = subprocess.run(
-        [NVCC, "-std=c++14", f"-arch={arch}", "-Werror", "all-warnings", "-Xptxas", "-Werror",
-         "--cubin", str(source), "-o", str(tmp_path / "rope.cubin")],
-        capture_output=True, text=True,
+        [
+            NVCC,
+            "-std=c++14",
+            f"-arch={arch}",
+            "-Werror",
+            "all-warnings",
+            "-Xptxas",
+            "-Werror",
+            "--cubin",
+            str(source),
+            "-o",
+            str(tmp_path / "rope.cubin"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert cubin.returncode == 0, cubin.stderr
 

@@ -83,8 +83,9 @@ def test_strided_inplace_and_qk(backend):
     np.testing.assert_array_equal(d[:, :, 2].get(), qkv[:, :, 2])
     rev = cupy.asarray(qkv)[::-1, ::2, 0]
     got = ar.rotate(rev, pos[::2], backend=backend)
-    np.testing.assert_allclose(got.get(), ar.rotate(np.ascontiguousarray(rev.get()), pos[::2]),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        got.get(), ar.rotate(np.ascontiguousarray(rev.get()), pos[::2]), atol=2e-5
+    )
 
 
 def test_backends_agree():

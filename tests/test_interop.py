@@ -109,8 +109,10 @@ def test_no_framework_is_imported_for_numpy_calls():
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np, arrayrope as ar; ar.rotate(np.ones((2, 8)), 1); "
-            "assert not {'torch', 'jax', 'dask', 'cupy'} & set(sys.modules), sys.modules.keys()")
+    code = (
+        "import sys, numpy as np, arrayrope as ar; ar.rotate(np.ones((2, 8)), 1); "
+        "assert not {'torch', 'jax', 'dask', 'cupy'} & set(sys.modules), sys.modules.keys()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -130,15 +132,17 @@ def test_jax_arrays_are_read_only():
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed", reason="dask.distributed is not installed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None)
+    cluster = distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    )
     with distributed.Client(cluster) as c:
         yield c
     cluster.close()
 
 
-@pytest.mark.parametrize("case", ["int", "float", "none", "multi-axis", "dask-pos", "chunked-d",
-                                  "dynamic-scaling", "qk"])
+@pytest.mark.parametrize(
+    "case", ["int", "float", "none", "multi-axis", "dask-pos", "chunked-d", "dynamic-scaling", "qk"]
+)
 def test_dask_on_a_cluster_matches_in_memory(client, case):
     import dask.array as da
 

@@ -28,7 +28,7 @@ def flux_oracle(x, pos, dims, base):
     """FLUX-style: each axis rotates its own contiguous block of features, interleaved pairs."""
     out, start = [], 0
     for a, n in enumerate(dims):
-        out.append(oracle(x[..., start:start + n], pos[..., a], base=base))
+        out.append(oracle(x[..., start : start + n], pos[..., a], base=base))
         start += n
     return np.concatenate(out, axis=-1)
 
@@ -100,8 +100,11 @@ def test_vit_2d_fractional_coordinates_are_exact(rng):
     assert_matches(rope.rotate(x, pos), flux_oracle(x, pos, (32, 32), 100.0), x)
 
 
-@given(st.lists(st.integers(1, 8), min_size=1, max_size=3), st.integers(0, 2**32 - 1),
-       st.sampled_from(["interleaved", "half"]))
+@given(
+    st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["interleaved", "half"]),
+)
 def test_each_axis_block_is_1d_rope(pairs, seed, style):
     rng = np.random.default_rng(seed)
     dims = tuple(2 * p for p in pairs)
@@ -111,14 +114,18 @@ def test_each_axis_block_is_1d_rope(pairs, seed, style):
     y = rope.rotate(x, pos) if len(dims) > 1 else rope.rotate(x, pos[:, 0])
     start = 0
     for a, n in enumerate(dims):
-        block = ar.rotate(np.ascontiguousarray(x[:, start:start + n]), pos[:, a])
-        np.testing.assert_array_equal(y[:, start:start + n], block)
+        block = ar.rotate(np.ascontiguousarray(x[:, start : start + n]), pos[:, a])
+        np.testing.assert_array_equal(y[:, start : start + n], block)
         start += n
     del style
 
 
-@given(st.integers(0, 2**32 - 1), st.integers(0, 2), st.integers(0, 10**5),
-       st.sampled_from(["axial", "sectioned", "qwen3"]))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2),
+    st.integers(0, 10**5),
+    st.sampled_from(["axial", "sectioned", "qwen3"]),
+)
 def test_relative_position_per_axis(seed, axis, shift, layout):
     rng = np.random.default_rng(seed)
     rope = {
@@ -165,8 +172,11 @@ def test_cos_sin_and_rotate_qk_take_axes(rng):
 def test_errors():
     with pytest.raises(RopeValueError, match=r"dims\[1\] must be even and >= 2, got 7"):
         ar.RoPE.axial((16, 7))
-    with pytest.raises(RopeValueError, match=r"sections \(16, 24, 20\) sum to 60 pairs; "
-                       r"rotary_dim 128 has 64"):
+    with pytest.raises(
+        RopeValueError,
+        match=r"sections \(16, 24, 20\) sum to 60 pairs; "
+        r"rotary_dim 128 has 64",
+    ):
         ar.RoPE.sectioned(128, (16, 24, 20))
     with pytest.raises(RopeValueError, match="assign must be"):
         ar.RoPE.sectioned(128, (16, 24, 24), assign="zigzag")
@@ -174,8 +184,11 @@ def test_errors():
         ar.RoPE.sectioned(16, (1, 1, 6), assign="interleaved")
     rope = ar.RoPE.axial((8, 8))
     x = np.zeros((3, 16), np.float32)
-    with pytest.raises(RopeValueError, match=r"pos must end in an axis of size n_axes \(2\), "
-                       r"got shape \(3,\)"):
+    with pytest.raises(
+        RopeValueError,
+        match=r"pos must end in an axis of size n_axes \(2\), "
+        r"got shape \(3,\)",
+    ):
         rope.rotate(x, np.arange(3))
     with pytest.raises(RopeValueError, match=r"got shape \(3, 3\)"):
         rope.rotate(x, np.zeros((3, 3), np.int64))

@@ -90,8 +90,12 @@ def test_pair_norms_are_preserved(cfg, m):
     np.testing.assert_allclose(after, before, rtol=tol, atol=tol)
 
 
-@given(configs(dtypes=[np.dtype(np.float64)], max_lead=1), st.integers(0, 10**6),
-       st.integers(0, 10**6), st.integers(0, 10**6))
+@given(
+    configs(dtypes=[np.dtype(np.float64)], max_lead=1),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+)
 def test_relative_position(cfg, m, n, shift):
     rng, q, kw = _setup(cfg)
     k = random_array(rng, q.shape, q.dtype)
@@ -109,8 +113,7 @@ def test_relative_position(cfg, m, n, shift):
 @given(configs(), positions, st.sampled_from(BACKENDS))
 def test_inverse_undoes(cfg, m, backend):
     _, x, kw = _setup(cfg)
-    back = ar.rotate(ar.rotate(x, m, backend=backend, **kw), m, inverse=True, backend=backend,
-                     **kw)
+    back = ar.rotate(ar.rotate(x, m, backend=backend, **kw), m, inverse=True, backend=backend, **kw)
     # Two roundings of the dtype at most (one per rotation).
     rel = {np.float16: 2**-9, np.float32: 2**-20, np.float64: 2**-47}.get(x.dtype.type, 2**-6)
     scale = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True)
@@ -132,8 +135,7 @@ def test_position_zero_is_identity(cfg):
     np.testing.assert_array_equal(bits(ar.rotate(x, 0, **kw)), bits(x))
 
 
-@given(st.integers(1, 16), st.integers(0, 10**5), st.integers(0, 2**32 - 1),
-       st.floats(2.0, 1e6))
+@given(st.integers(1, 16), st.integers(0, 10**5), st.integers(0, 2**32 - 1), st.floats(2.0, 1e6))
 def test_equals_the_block_diagonal_matrix_of_eq15(pairs, m, seed, base):
     x = np.random.default_rng(seed).standard_normal(2 * pairs)
     y = ar.rotate(x, m, base=base)
@@ -145,9 +147,13 @@ def test_half_equals_interleaved_under_permutation(cfg):
     rng, x, kw = _setup(cfg)
     rot = kw["rotary_dim"]
     pos = _positions_for(rng, cfg["lead"], False)
-    # "half" pairs (i, i + rot/2); moving feature i to 2i and i + rot/2 to 2i + 1 gives "interleaved".
-    perm = np.concatenate([np.stack([np.arange(rot // 2), np.arange(rot // 2, rot)], 1).ravel(),
-                           np.arange(rot, x.shape[-1])])
+    # "half" pairs (i, i + rot/2); feature i to 2i and i + rot/2 to 2i + 1 gives "interleaved".
+    perm = np.concatenate(
+        [
+            np.stack([np.arange(rot // 2), np.arange(rot // 2, rot)], 1).ravel(),
+            np.arange(rot, x.shape[-1]),
+        ]
+    )
     half = ar.rotate(x, pos, style="half", rotary_dim=rot)
     inter = ar.rotate(np.ascontiguousarray(x[..., perm]), pos, style="interleaved", rotary_dim=rot)
     np.testing.assert_array_equal(bits(half[..., perm]), bits(inter))
@@ -162,12 +168,16 @@ def test_tail_is_bit_identical(cfg, backend):
     np.testing.assert_array_equal(bits(y[..., rot:]), bits(x[..., rot:]))
 
 
-@given(configs(), st.sampled_from(["reverse", "step", "fused", "features"]),
-       st.sampled_from(["new", "out", "inplace"]))
+@given(
+    configs(),
+    st.sampled_from(["reverse", "step", "fused", "features"]),
+    st.sampled_from(["new", "out", "inplace"]),
+)
 def test_strided_views_match_contiguous(cfg, layout, mode):
     rng, _, kw = _setup(cfg)
     lead, d = cfg["lead"] or (1,), cfg["d"]
     big = random_array(rng, (3,) + tuple(2 * n for n in lead) + (2 * d,), cfg["dtype"])
+
     def window(buffer):
         if layout == "reverse":
             return buffer[1][tuple(slice(None, None, -2) for _ in lead)][..., :d]

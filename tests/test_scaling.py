@@ -90,17 +90,24 @@ def test_frequency_sets_never_mix():
     for length in (20, 40, 20, 10, 40):  # alternate sets; each call must see its own
         got = rope.rotate(x, length - 1)
         base = 10000.0 * max(1.0, 2.0 * length / 16 - 1) ** (16 / 14)
-        np.testing.assert_allclose(got, oracle(x, length - 1, freqs=inv_freq(16, base)),
-                                   atol=1e-12)
+        np.testing.assert_allclose(got, oracle(x, length - 1, freqs=inv_freq(16, base)), atol=1e-12)
 
 
 @pytest.mark.parametrize("truncate", [True, False])
-@pytest.mark.parametrize("dim, base, s, orig", [(128, 10000.0, 4.0, 32768), (64, 10000.0, 40.0,
-                                                4096), (128, 1e6, 4.0, 32768), (96, 5e5, 8, 8192)])
+@pytest.mark.parametrize(
+    "dim, base, s, orig",
+    [
+        (128, 10000.0, 4.0, 32768),
+        (64, 10000.0, 40.0, 4096),
+        (128, 1e6, 4.0, 32768),
+        (96, 5e5, 8, 8192),
+    ],
+)
 def test_yarn(truncate, dim, base, s, orig):
     rope = rope_with(YaRN(s, orig, truncate=truncate), d=dim, base=base)
-    np.testing.assert_allclose(rope.inv_freq, yarn_formula(dim, base, s, orig, truncate=truncate),
-                               rtol=1e-13)
+    np.testing.assert_allclose(
+        rope.inv_freq, yarn_formula(dim, base, s, orig, truncate=truncate), rtol=1e-13
+    )
     assert rope.attention_scaling == pytest.approx(0.1 * math.log(s) + 1)
     theta = inv_freq(dim, base)
     rotations = orig * theta / (2 * math.pi)
@@ -130,8 +137,9 @@ def test_attention_scaling_multiplies_cos_and_sin():
 
 def test_llama3_hand_computed():
     rope = rope_with(Llama3(8.0, 1.0, 4.0, 8192), d=128, base=500000.0)
-    np.testing.assert_allclose(rope.inv_freq, llama3_formula(128, 500000.0, 8, 1, 4, 8192),
-                               rtol=1e-14)
+    np.testing.assert_allclose(
+        rope.inv_freq, llama3_formula(128, 500000.0, 8, 1, 4, 8192), rtol=1e-14
+    )
     theta = inv_freq(128, 500000.0)
     assert rope.inv_freq[0] == 1.0  # wavelength 2 pi: kept
     assert rope.inv_freq[-1] == pytest.approx(theta[-1] / 8)  # longest wavelengths: / 8
@@ -157,22 +165,29 @@ def test_longrope_switches_sets_and_scales_attention():
         assert_matches(rope.rotate(x, pos), expected, x)
 
 
-@pytest.mark.parametrize("rule", [Linear(1.0), YaRN(1.0, 2048), Llama3(1.0, 1.0, 4.0, 8192),
-                                  NTK(1.0)])
+@pytest.mark.parametrize(
+    "rule", [Linear(1.0), YaRN(1.0, 2048), Llama3(1.0, 1.0, 4.0, 8192), NTK(1.0)]
+)
 def test_factor_one_is_no_scaling(rule):
     rope = rope_with(rule, d=64)
     np.testing.assert_allclose(rope.inv_freq, inv_freq(64, 10000.0), rtol=1e-14)
     assert rope.attention_scaling == 1.0
     x = np.random.default_rng(2).standard_normal((3, 64))
-    np.testing.assert_allclose(rope.rotate(x, np.array([1, 500, 9000])),
-                               ar.rotate(x, np.array([1, 500, 9000])), atol=1e-12)
+    np.testing.assert_allclose(
+        rope.rotate(x, np.array([1, 500, 9000])), ar.rotate(x, np.array([1, 500, 9000])), atol=1e-12
+    )
 
 
-@given(st.sampled_from(["linear", "ntk", "yarn", "llama3"]), st.floats(1.0, 64.0),
-       st.integers(2, 64))
+@given(
+    st.sampled_from(["linear", "ntk", "yarn", "llama3"]), st.floats(1.0, 64.0), st.integers(2, 64)
+)
 def test_frequencies_positive_and_decreasing(kind, factor, pairs):
-    rule = {"linear": Linear(factor), "ntk": NTK(factor), "yarn": YaRN(factor, 4096),
-            "llama3": Llama3(factor, 1.0, 4.0, 8192)}[kind]
+    rule = {
+        "linear": Linear(factor),
+        "ntk": NTK(factor),
+        "yarn": YaRN(factor, 4096),
+        "llama3": Llama3(factor, 1.0, 4.0, 8192),
+    }[kind]
     f = rope_with(rule, d=2 * pairs).inv_freq
     assert (f > 0).all() and (np.diff(f) <= 0).all()
 
@@ -202,57 +217,154 @@ def test_rule_errors():
 
 # ---------------------------------------------------------------- from_hf_config
 
-LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
-             "num_key_value_heads": 32, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-             "rope_scaling": None}
-LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
-QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28,
-            "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-            "rope_scaling": None}
-MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "max_position_embeddings": 32768, "rope_theta": 10000.0}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+}
+LLAMA31_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+QWEN2_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+}
+MISTRAL_7B = {
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rope_theta": 10000.0,
+}
 # Phi-3-mini-128k: 48 pairs per factor list (values shaped like the published ones).
-PHI3_128K = {"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32,
-             "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
-             "rope_theta": 10000.0,
-             "rope_scaling": {"type": "longrope",
-                              "short_factor": [1.0 + 0.002 * i for i in range(48)],
-                              "long_factor": [1.0 + 1.2 * i for i in range(48)]}}
-DEEPSEEK_V2 = {"model_type": "deepseek_v2", "hidden_size": 5120, "num_attention_heads": 128,
-               "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-               "max_position_embeddings": 163840, "rope_theta": 10000,
-               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                                "type": "yarn"}}
-GPT_NEOX_20B = {"model_type": "gpt_neox", "hidden_size": 6144, "num_attention_heads": 64,
-                "rotary_pct": 0.25, "rotary_emb_base": 10000, "max_position_embeddings": 2048}
-PHI2 = {"model_type": "phi", "hidden_size": 2560, "num_attention_heads": 32,
-        "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "max_position_embeddings": 2048}
-QWEN2_VL = {"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28,
-            "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+PHI3_128K = {
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.002 * i for i in range(48)],
+        "long_factor": [1.0 + 1.2 * i for i in range(48)],
+    },
+}
+DEEPSEEK_V2 = {
+    "model_type": "deepseek_v2",
+    "hidden_size": 5120,
+    "num_attention_heads": 128,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
+GPT_NEOX_20B = {
+    "model_type": "gpt_neox",
+    "hidden_size": 6144,
+    "num_attention_heads": 64,
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 10000,
+    "max_position_embeddings": 2048,
+}
+PHI2 = {
+    "model_type": "phi",
+    "hidden_size": 2560,
+    "num_attention_heads": 32,
+    "partial_rotary_factor": 0.4,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+}
+QWEN2_VL = {
+    "model_type": "qwen2_vl",
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
 
 
-@pytest.mark.parametrize("config, head_dim, rotary_dim, style, base, rule, attention", [
-    (LLAMA2_7B, 128, 128, "half", 10000.0, None, 1.0),
-    (LLAMA31_8B, 128, 128, "half", 500000.0, Llama3(8.0, 1.0, 4.0, 8192), 1.0),
-    (QWEN2_7B, 128, 128, "half", 1e6, None, 1.0),
-    (MISTRAL_7B, 128, 128, "half", 10000.0, None, 1.0),
-    (PHI3_128K, 96, 96, "half", 10000.0, "longrope", math.sqrt(1 + math.log(32) / math.log(4096))),
-    (DEEPSEEK_V2, 64, 64, "interleaved", 10000.0, YaRN(40, 4096, mscale=0.707,
-                                                       mscale_all_dim=0.707), 1.0),
-    (GPT_NEOX_20B, 96, 24, "half", 10000.0, None, 1.0),
-    (PHI2, 80, 32, "half", 10000.0, None, 1.0),
-], ids=["llama2", "llama3.1", "qwen2", "mistral", "phi3-128k", "deepseek-v2", "gpt-neox-20b",
-        "phi2"])
+@pytest.mark.parametrize(
+    "config, head_dim, rotary_dim, style, base, rule, attention",
+    [
+        (LLAMA2_7B, 128, 128, "half", 10000.0, None, 1.0),
+        (LLAMA31_8B, 128, 128, "half", 500000.0, Llama3(8.0, 1.0, 4.0, 8192), 1.0),
+        (QWEN2_7B, 128, 128, "half", 1e6, None, 1.0),
+        (MISTRAL_7B, 128, 128, "half", 10000.0, None, 1.0),
+        (
+            PHI3_128K,
+            96,
+            96,
+            "half",
+            10000.0,
+            "longrope",
+            math.sqrt(1 + math.log(32) / math.log(4096)),
+        ),
+        (
+            DEEPSEEK_V2,
+            64,
+            64,
+            "interleaved",
+            10000.0,
+            YaRN(40, 4096, mscale=0.707, mscale_all_dim=0.707),
+            1.0,
+        ),
+        (GPT_NEOX_20B, 96, 24, "half", 10000.0, None, 1.0),
+        (PHI2, 80, 32, "half", 10000.0, None, 1.0),
+    ],
+    ids=[
+        "llama2",
+        "llama3.1",
+        "qwen2",
+        "mistral",
+        "phi3-128k",
+        "deepseek-v2",
+        "gpt-neox-20b",
+        "phi2",
+    ],
+)
 def test_from_hf_config(tmp_path, config, head_dim, rotary_dim, style, base, rule, attention):
     for source in (config, _write(tmp_path, config), _Attrs(config)):
         rope = ar.RoPE.from_hf_config(source)
         assert (rope.head_dim, rope.rotary_dim, rope.style, rope.base) == (
-            head_dim, rotary_dim, style, base)
+            head_dim,
+            rotary_dim,
+            style,
+            base,
+        )
         assert rope.attention_scaling == pytest.approx(attention)
         if rule is None:
             assert rope.scaling is None
@@ -269,9 +381,15 @@ def test_from_hf_config_multimodal_sections():
     rope = ar.RoPE.from_hf_config(QWEN2_VL)
     assert rope.n_axes == 3 and rope.style == "half"
     assert list(np.bincount(rope._pair_axis)) == [16, 24, 24]
-    qwen3 = dict(QWEN2_VL, model_type="qwen3_vl",
-                 rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
-                               "mrope_interleaved": True})
+    qwen3 = dict(
+        QWEN2_VL,
+        model_type="qwen3_vl",
+        rope_scaling={
+            "rope_type": "default",
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    )
     assert list(ar.RoPE.from_hf_config(qwen3)._pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
 
 
@@ -283,18 +401,31 @@ def test_from_hf_config_rope_parameters_form():
     assert rope.base == 500000.0 and rope.scaling == Llama3(8.0, 1.0, 4.0, 8192)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                       "wavelength": 3}}, r"unknown field\(s\) for rope type 'llama3'"),
-    ({"rope_scaling": {"rope_type": "ntk-by-parts", "factor": 2}}, "unknown rope type"),
-    ({"rope_scaling": {"rope_type": "yarn", "type": "linear", "factor": 2}}, "disagree"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "has no 'factor'"),
-    ({"model_type": "mamba"}, "model_type 'mamba' has no known pair style"),
-    ({"hidden_size": 4095}, "not a multiple of num_attention_heads"),
-    ({"partial_rotary_factor": 0.3046875}, "odd rotary_dim"),  # 128 * it = 39
-    ({"rope_theta": None, "model_type": "qwen2"}, "no rope_theta"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "wavelength": 3,
+                }
+            },
+            r"unknown field\(s\) for rope type 'llama3'",
+        ),
+        ({"rope_scaling": {"rope_type": "ntk-by-parts", "factor": 2}}, "unknown rope type"),
+        ({"rope_scaling": {"rope_type": "yarn", "type": "linear", "factor": 2}}, "disagree"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "has no 'factor'"),
+        ({"model_type": "mamba"}, "model_type 'mamba' has no known pair style"),
+        ({"hidden_size": 4095}, "not a multiple of num_attention_heads"),
+        ({"partial_rotary_factor": 0.3046875}, "odd rotary_dim"),  # 128 * it = 39
+        ({"rope_theta": None, "model_type": "qwen2"}, "no rope_theta"),
+    ],
+)
 def test_from_hf_config_errors(change, message):
     with pytest.raises(RopeValueError, match=message):
         ar.RoPE.from_hf_config(dict(LLAMA2_7B, **change))
