@@ -327,6 +327,49 @@ def _gather(rope, xp, cos, sin, idx):
     return cos[rows, columns], sin[rows, columns]
 
 
+_cpu = None
+
+
+def rotate_small(rope, x, pos, inverse):
+    """The decode and prefill fast path, or None where a call needs the general one.
+
+    It takes a small C-contiguous NumPy ``x``, a Python int position or None, one position
+    axis and no length-dependent scaling: the shapes of a decode step, where the general path's
+    layout bookkeeping costs more than the rotation. Anything else, bad input included, returns
+    None and goes the general way, which checks it. Same kernel body, same results.
+    """
+    global _cpu
+    if _cpu is None:
+        from . import _cpu
+    if (
+        type(x) is not np.ndarray
+        or not x.flags.c_contiguous
+        or x.ndim == 0
+        or x.size >= _cpu.SERIAL_BELOW
+        or x.shape[-1] != rope.head_dim
+        or rope.n_axes != 1
+        or type(inverse) is not bool
+        or (rope.scaling is not None and rope.scaling.dynamic)
+    ):
+        return None
+    dtype = _table_dtype(x.dtype)
+    if dtype is None:
+        return None
+    if pos is None:
+        high = (x.shape[-2] if x.ndim > 1 else 1) - 1
+    elif type(pos) is int and 0 <= pos < POSITION_LIMIT:
+        high = pos
+    else:
+        return None
+    cache = rope._default.tables
+    tables = cache._tables.get((None, dtype))
+    if tables is None or tables[0].shape[0] <= high:
+        tables = cache.cached(np, None, dtype, max(high, 0))
+        if tables is None:
+            return None
+    return _cpu.rotate_small(rope, x, pos, tables[0], tables[1], inverse)
+
+
 def _foreign(xs, outs, pos):
     """Whether anything arrives in a type other than NumPy or CuPy (DLPack, Dask)."""
     if not all(_family(x) for x in xs):

@@ -174,12 +174,12 @@ def _store_impl(a, i, v):
 # stops LLVM from vectorizing (measured: 10 GB/s signed, 51 GB/s unsigned on an in-cache float32
 # rotation). Offsets are never negative: flat views start at the lowest address.
 @njit(inline="always")
-def _pairs(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
+def _pairs(x, o, x_start, o_start, half, first, stop, cos, sin, inverse):
     """Rotate pairs (j, j + half) for j in [first, stop): the contiguous "half" layout."""
     for j in range(first, stop):
         k = np.uint64(j)
         c = cos[k]
-        s = sin[k] * sign
+        s = -sin[k] if inverse else sin[k]  # the transpose: rotate by -angle
         a = _load(x, x_start + k)
         b = _load(x, x_start + k + half)
         _store(o, o_start + k, a * c - b * s)
@@ -187,7 +187,7 @@ def _pairs(x, o, x_start, o_start, half, first, stop, cos, sin, sign):
 
 
 @njit(inline="always")
-def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, sign):
+def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, inverse):
     """Rotate one row in the half layout, one run of pairs (a segment) per position axis."""
     half = np.uint64(rotary_dim // 2)
     for s in range(seg.shape[0]):
@@ -195,9 +195,9 @@ def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rota
         # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
         # It is ``o``, so that a read-only ``x`` still compiles.
         if in_place:
-            _pairs(o, o, ob, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], sign)
+            _pairs(o, o, ob, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], inverse)
         else:
-            _pairs(x, o, xb, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], sign)
+            _pairs(x, o, xb, ob, half, seg[s, 0], seg[s, 1], cos[p], sin[p], inverse)
 
 
 @njit(inline="always")
@@ -216,7 +216,7 @@ def _row(
     rotary_dim,
     d,
     half_style,
-    sign,
+    inverse,
     copy_tail,
     buf,
 ):
@@ -235,7 +235,7 @@ def _row(
                 buf[half + j] = _load(x, xb + np.uint64(2 * j + 1))
         zero = np.uint64(0)
         _row_pairs(
-            buf, buf, True, idx, zero, zero, pb, axis_stride, cos, sin, seg, rotary_dim, sign
+            buf, buf, True, idx, zero, zero, pb, axis_stride, cos, sin, seg, rotary_dim, inverse
         )
         if half_style:
             for j in range(rotary_dim):
@@ -245,7 +245,7 @@ def _row(
                 _store(o, ob + np.uint64(2 * j), buf[j])
                 _store(o, ob + np.uint64(2 * j + 1), buf[half + j])
     else:
-        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, sign)
+        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, inverse)
     if copy_tail:
         for j in range(rotary_dim, d):
             o[ob + np.uint64(j)] = x[xb + np.uint64(j)]
@@ -267,7 +267,7 @@ def _rows(
     rotary_dim,
     d,
     half_style,
-    sign,
+    inverse,
     copy_tail,
 ):
     """Rows first..stop-1 of operand t. The leading index is decoded once, then advanced like
@@ -305,7 +305,7 @@ def _rows(
             rotary_dim,
             d,
             half_style,
-            sign,
+            inverse,
             copy_tail,
             buf,
         )
@@ -349,7 +349,7 @@ def rotate_serial(
     rotary_dim,
     d,
     half_style,
-    sign,
+    inverse,
     copy_tail,
 ):
     _rows(
@@ -367,7 +367,7 @@ def rotate_serial(
         rotary_dim,
         d,
         half_style,
-        sign,
+        inverse,
         copy_tail,
     )
     _rows(
@@ -385,7 +385,7 @@ def rotate_serial(
         rotary_dim,
         d,
         half_style,
-        sign,
+        inverse,
         copy_tail,
     )
 
@@ -413,7 +413,7 @@ def rotate_parallel(
     rotary_dim,
     d,
     half_style,
-    sign,
+    inverse,
     copy_tail,
 ):
     n1 = _count_rows(g, 0)
@@ -439,7 +439,7 @@ def rotate_parallel(
                 rotary_dim,
                 d,
                 half_style,
-                sign,
+                inverse,
                 copy_tail,
             )
         else:
@@ -459,9 +459,42 @@ def rotate_parallel(
                 rotary_dim,
                 d,
                 half_style,
-                sign,
+                inverse,
                 copy_tail,
             )
+
+
+@njit(cache=_CACHE)
+def rotate_contiguous(
+    x, o, rows, d, pos, period, cos, sin, seg, rotary_dim, half_style, inverse, copy_tail
+):
+    """The small-input path: ``rows`` contiguous rows of ``d`` elements, row r at position
+    ``pos`` (``period`` 0) or ``r % period`` (positions 0..T-1 along axis -2), one thread."""
+    buf = np.empty(rotary_dim, dtype=cos.dtype)
+    step = np.uint64(d)
+    start = np.uint64(0)
+    for r in range(rows):
+        p = pos if period == 0 else r % period
+        _row(
+            x,
+            o,
+            False,
+            (p,),
+            start,
+            start,
+            0,
+            0,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            inverse,
+            copy_tail,
+            buf,
+        )
+        start += step
 
 
 @njit(cache=_CACHE)
@@ -481,6 +514,34 @@ def position_range(p):
 
 
 _F16 = np.dtype(np.float16)
+
+
+def rotate_small(rope, x, pos, cos, sin, inverse):
+    """Rotate a small C-contiguous ``x`` into a new array at an int position (``pos``) or at
+    0..T-1 along axis -2 (``pos`` None): the decode and prefill shapes, with no geometry."""
+    out = np.empty_like(x)
+    d = x.shape[-1]
+    view = None if x.itemsize != 2 else np.int16 if x.dtype == _F16 else np.uint16
+    xf, of = x.reshape(-1), out.reshape(-1)
+    if view is not None:
+        xf, of = xf.view(view), of.view(view)
+    period = 0 if pos is not None else (x.shape[-2] if x.ndim > 1 else 1)
+    rotate_contiguous(
+        xf,
+        of,
+        x.size // d,
+        d,
+        0 if pos is None else pos,
+        period,
+        cos,
+        sin,
+        rope._segments,
+        rope.rotary_dim,
+        rope._half_style,
+        inverse,
+        rope.rotary_dim < d,
+    )
+    return out
 
 
 def launch(rope, operands, cos, sin, inverse):
@@ -507,7 +568,6 @@ def launch(rope, operands, cos, sin, inverse):
     kernel = rotate_serial if size < SERIAL_BELOW else rotate_parallel
     d = operands[0][0].shape[-1]
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
-    sign = cos.dtype.type(-1.0 if inverse else 1.0)
     kernel(
         *args,
         g,
@@ -516,7 +576,7 @@ def launch(rope, operands, cos, sin, inverse):
         rope._segments,
         rope.rotary_dim,
         d,
-        rope.style == "half",
-        sign,
+        rope._half_style,
+        inverse,
         copy_tail,
     )

@@ -168,6 +168,7 @@ class RoPE:
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.style = style
+        self._half_style = style == "half"
         self.max_positions = max_positions
         self.scaling = scaling
         self.n_axes = int(pair_axis.max()) + 1
@@ -404,6 +405,10 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
+        if out is None and backend in ("auto", "numba"):
+            small = _api.rotate_small(self, x, pos, inverse)
+            if small is not None:
+                return small
         return _api.apply(
             self, (x,), pos, inverse, None if out is None else (out,), backend, seq_len
         )[0]

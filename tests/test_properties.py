@@ -237,3 +237,25 @@ def test_float32_is_exact_at_large_positions(m):
     err = np.abs(y.astype(np.float64) - oracle(x, m)).max()
     ulp = np.spacing(np.float32(np.abs(x).max()))
     assert err <= 4 * ulp, f"position {m}: error {err:.3g} is {err / ulp:.1f} float32 ulps"
+
+
+@given(configs(), st.one_of(st.none(), st.integers(0, 2**31 - 1)), st.booleans())
+def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
+    # rotate without out= on a small C-contiguous array at an int (or default) position takes
+    # the fast path; with out= it takes the general one. They must agree bit for bit.
+    _, x, kw = _setup(cfg)
+    rope = ar.RoPE(cfg["d"], **kw)
+    fast = rope.rotate(x, pos, inverse=inverse)
+    general = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
+    np.testing.assert_array_equal(bits(fast), bits(general))
+    assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
+
+
+def test_small_input_path_is_taken():
+    from arrayrope import _api
+
+    rope = ar.RoPE(8)
+    x = np.ones((2, 8), np.float32)
+    assert _api.rotate_small(rope, x, 3, False) is not None
+    assert _api.rotate_small(rope, x, np.array([3]), False) is None  # array positions: general
+    assert _api.rotate_small(rope, x[:, ::-1], 3, False) is None  # not C-contiguous: general
