@@ -186,10 +186,52 @@ def _pairs(x, o, x_start, o_start, half, first, stop, cos, sin, inverse):
         _store(o, o_start + k + half, b * c + a * s)
 
 
+# Rows with more runs of pairs than this gather their cos/sin first (see _row_pairs).
+_GATHER_ABOVE = 4
+
+
 @njit(inline="always")
-def _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, inverse):
+def _row_pairs(
+    x,
+    o,
+    in_place,
+    idx,
+    xb,
+    ob,
+    pb,
+    axis_stride,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    inverse,
+    cos_row,
+    sin_row,
+    pair_axis,
+):
     """Rotate one row in the half layout, one run of pairs (a segment) per position axis."""
     half = np.uint64(rotary_dim // 2)
+    if seg.shape[0] > _GATHER_ABOVE:
+        # Many short runs (Qwen3-VL assigns axes pair by pair): build this row's cos/sin with one
+        # blend pass per axis (contiguous loads and a select, which vectorize), then rotate in
+        # one contiguous pass instead of one short loop per run.
+        n_axes = 0
+        for s in range(seg.shape[0]):
+            n_axes = max(n_axes, seg[s, 2] + 1)
+        for a in range(n_axes):
+            p = idx[pb + a * axis_stride]
+            cos_p = cos[p]
+            sin_p = sin[p]
+            for j in range(rotary_dim // 2):
+                k = np.uint64(j)
+                mine = pair_axis[k] == a
+                cos_row[k] = cos_p[k] if mine else cos_row[k]
+                sin_row[k] = sin_p[k] if mine else sin_row[k]
+        if in_place:
+            _pairs(o, o, ob, ob, half, 0, rotary_dim // 2, cos_row, sin_row, inverse)
+        else:
+            _pairs(x, o, xb, ob, half, 0, rotary_dim // 2, cos_row, sin_row, inverse)
+        return
     for s in range(seg.shape[0]):
         p = idx[pb + seg[s, 2] * axis_stride]
         # In place, one array plays both roles: LLVM then needs no aliasing check to vectorize.
@@ -219,7 +261,11 @@ def _row(
     inverse,
     copy_tail,
     buf,
+    pair_axis,
 ):
+    # buf: the row (rotary_dim values), then the row's gathered cos and sin (rotary_dim / 2 each).
+    gathered_cos = buf[rotary_dim : rotary_dim + rotary_dim // 2]
+    gathered_sin = buf[rotary_dim + rotary_dim // 2 :]
     if _is_bits(x) or not half_style:
         # Through a float32 row buffer, in the half layout: half types are widened once and
         # narrowed once, and interleaved pairs are split into (firsts, seconds) on the way in and
@@ -235,7 +281,22 @@ def _row(
                 buf[half + j] = _load(x, xb + np.uint64(2 * j + 1))
         zero = np.uint64(0)
         _row_pairs(
-            buf, buf, True, idx, zero, zero, pb, axis_stride, cos, sin, seg, rotary_dim, inverse
+            buf,
+            buf,
+            True,
+            idx,
+            zero,
+            zero,
+            pb,
+            axis_stride,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            inverse,
+            gathered_cos,
+            gathered_sin,
+            pair_axis,
         )
         if half_style:
             for j in range(rotary_dim):
@@ -245,10 +306,37 @@ def _row(
                 _store(o, ob + np.uint64(2 * j), buf[j])
                 _store(o, ob + np.uint64(2 * j + 1), buf[half + j])
     else:
-        _row_pairs(x, o, in_place, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, inverse)
+        _row_pairs(
+            x,
+            o,
+            in_place,
+            idx,
+            xb,
+            ob,
+            pb,
+            axis_stride,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            inverse,
+            gathered_cos,
+            gathered_sin,
+            pair_axis,
+        )
     if copy_tail:
         for j in range(rotary_dim, d):
             o[ob + np.uint64(j)] = x[xb + np.uint64(j)]
+
+
+@njit(inline="always")
+def _scratch(seg, rotary_dim, dtype):
+    """A task's scratch: the row buffer with room for a gathered cos/sin row, and each pair's
+    position axis, read back from the segments."""
+    pair_axis = np.empty(rotary_dim // 2, dtype=np.int64)
+    for s in range(seg.shape[0]):
+        pair_axis[seg[s, 0] : seg[s, 1]] = seg[s, 2]
+    return np.empty(2 * rotary_dim, dtype=dtype), pair_axis
 
 
 @njit
@@ -276,7 +364,7 @@ def _rows(
         return
     nlead = g.shape[2] - 1
     counter = np.empty(nlead, dtype=np.int64)
-    buf = np.empty(rotary_dim, dtype=cos.dtype)
+    buf, pair_axis = _scratch(seg, rotary_dim, cos.dtype)
     xb = g[t, 1, nlead]
     ob = g[t, 2, nlead]
     pb = g[t, 3, nlead]
@@ -308,6 +396,7 @@ def _rows(
             inverse,
             copy_tail,
             buf,
+            pair_axis,
         )
         ax = nlead - 1
         while ax >= 0:
@@ -470,7 +559,7 @@ def rotate_contiguous(
 ):
     """The small-input path: ``rows`` contiguous rows of ``d`` elements, row r at position
     ``pos`` (``period`` 0) or ``r % period`` (positions 0..T-1 along axis -2), one thread."""
-    buf = np.empty(rotary_dim, dtype=cos.dtype)
+    buf, pair_axis = _scratch(seg, rotary_dim, cos.dtype)
     step = np.uint64(d)
     start = np.uint64(0)
     for r in range(rows):
@@ -493,6 +582,7 @@ def rotate_contiguous(
             inverse,
             copy_tail,
             buf,
+            pair_axis,
         )
         start += step
 

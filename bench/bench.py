@@ -141,6 +141,44 @@ def cpu_rows(shapes, dtypes, repeats):
     return rows
 
 
+def multi_axis_rows(repeats):
+    """Multi-axis layouts at the large float32 shape, against the same copy ceiling."""
+    import arrayrope as ar
+
+    x = np.random.default_rng(0).standard_normal((4, 32, 2048, 128)).astype(np.float32)
+    out = np.empty_like(x)
+    pos = np.random.default_rng(1).integers(0, 64, (2048, 3))
+    ropes = {
+        "1-D (reference row)": (ar.RoPE(128), pos[:, 0]),
+        "axial (16, 56, 56), FLUX": (ar.RoPE.axial((16, 56, 56)), pos),
+        "sectioned (16, 24, 24), Qwen2-VL": (ar.RoPE.sectioned(128, (16, 24, 24)), pos),
+        "interleaved (24, 20, 20), Qwen3-VL": (
+            ar.RoPE.sectioned(128, (24, 20, 20), assign="interleaved"),
+            pos,
+        ),
+    }
+    rows = []
+    for name, (rope, p) in ropes.items():
+        t, ceiling, ratio = paired(
+            lambda: rope.rotate(x, p, out=out), [lambda: np.copyto(out, x)], repeats
+        )
+        rows.append(
+            {
+                "device": "cpu",
+                "op": f"multi-axis {name}",
+                "shape": x.shape,
+                "dtype": "float32",
+                "style": rope.style,
+                "ms": t * 1e3,
+                "GB/s": 2 * x.nbytes / t / 1e9,
+                "copy GB/s": 2 * x.nbytes / ceiling / 1e9,
+                "of ceiling": ratio,
+                "vs numpy": None,
+            }
+        )
+    return rows
+
+
 def decode_row(repeats):
     import arrayrope as ar
 
@@ -281,6 +319,8 @@ def main():
         for name, us in decode.items():
             print(f"  {name:24s} {us:7.2f} us")
         rows = cpu_rows(shapes, dtypes, repeats)
+        if not args.quick:
+            rows += multi_axis_rows(repeats)
     gpu = (
         gpu_rows(shapes + [(8, 32, 4096, 128)], dtypes, repeats)
         if not args.quick
