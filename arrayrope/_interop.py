@@ -57,7 +57,12 @@ def adopt(name, a):
     except (BufferError, TypeError, RuntimeError, ValueError) as error:
         if isinstance(error, RopeTypeError):
             raise
-        raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
+        if framework in ("jax", "jaxlib") and device_type == _CPU:
+            # DLPack has no bfloat16 for NumPy, but JAX's own NumPy conversion does (both use
+            # ml_dtypes); on the CPU it is a read-only view of the buffer.
+            native = np.asarray(a)
+        else:
+            raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
     if bits:
         import ml_dtypes
 
@@ -82,6 +87,8 @@ def _restorer(framework, like):
         jnp = sys.modules["jax"].numpy
 
         def to_jax(result):
+            if result.dtype.name == "bfloat16":  # not expressible in DLPack from NumPy
+                return jnp.asarray(result)
             return jnp.from_dlpack(result)
 
         return to_jax

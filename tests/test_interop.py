@@ -124,6 +124,12 @@ def test_jax_arrays_are_read_only():
     np.testing.assert_allclose(np.asarray(y), ar.rotate(np.ones((3, 8), np.float32), 2))
     with pytest.raises(RopeValueError, match="read-only"):
         ar.rotate(x, 2, out=x)
+    for dtype in ("float16", "bfloat16"):  # bfloat16 goes through JAX's own NumPy view
+        half = jnp.ones((3, 8), dtype=dtype)
+        y = ar.rotate(half, 2)
+        assert type(y).__module__.startswith("jax") and y.dtype == half.dtype
+        expected = ar.rotate(np.asarray(half), 2)
+        np.testing.assert_array_equal(bits(np.asarray(y)), bits(expected))
 
 
 # ---------------------------------------------------------------- Dask
