@@ -26,6 +26,19 @@ def _int_arg(name, value, *, minimum):
     return number
 
 
+def _dims_arg(head_dim, rotary_dim):
+    """(head_dim, rotary_dim), checked: both even, rotary_dim <= head_dim (default head_dim)."""
+    head_dim = _int_arg("head_dim", head_dim, minimum=2)
+    if head_dim % 2:
+        raise RopeValueError(f"head_dim must be even, got {head_dim}")
+    rotary_dim = _int_arg("rotary_dim", head_dim if rotary_dim is None else rotary_dim, minimum=2)
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise RopeValueError(
+            f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
+        )
+    return head_dim, rotary_dim
+
+
 def _base_arg(base):
     try:
         value = float(base)
@@ -129,16 +142,7 @@ class RoPE:
         max_positions=None,
         scaling=None,
     ):
-        head_dim = _int_arg("head_dim", head_dim, minimum=2)
-        if head_dim % 2:
-            raise RopeValueError(f"head_dim must be even, got {head_dim}")
-        if rotary_dim is None:
-            rotary_dim = head_dim
-        rotary_dim = _int_arg("rotary_dim", rotary_dim, minimum=2)
-        if rotary_dim % 2 or rotary_dim > head_dim:
-            raise RopeValueError(
-                f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
-            )
+        head_dim, rotary_dim = _dims_arg(head_dim, rotary_dim)
         base = _base_arg(base)
         self._setup(
             head_dim,
@@ -267,16 +271,7 @@ class RoPE:
             "interleaved" (Qwen3-VL): pair j takes axis a = j mod n_axes (a >= 1) while
             j < n_axes * sections[a]; axis 0 takes every other pair.
         """
-        head_dim = _int_arg("head_dim", head_dim, minimum=2)
-        if head_dim % 2:
-            raise RopeValueError(f"head_dim must be even, got {head_dim}")
-        rotary_dim = (
-            head_dim if rotary_dim is None else _int_arg("rotary_dim", rotary_dim, minimum=2)
-        )
-        if rotary_dim % 2 or rotary_dim > head_dim:
-            raise RopeValueError(
-                f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
-            )
+        head_dim, rotary_dim = _dims_arg(head_dim, rotary_dim)
         sections = _axes_arg("sections", sections)
         if any(n < 0 for n in sections):
             raise RopeValueError(f"sections must be >= 0 pairs each, got {sections}")

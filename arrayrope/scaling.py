@@ -26,13 +26,24 @@ from ._errors import RopeTypeError, RopeValueError
 __all__ = ["DynamicNTK", "Linear", "Llama3", "LongRoPE", "NTK", "ScalingRule", "YaRN"]
 
 
-def _positive(name, value):
+def _real(name, value):
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise RopeTypeError(f"{name} must be a real number, got {value!r}") from None
+
+
+def _positive(name, value):
+    number = _real(name, value)
     if not (math.isfinite(number) and number > 0):
         raise RopeValueError(f"{name} must be finite and > 0, got {value!r}")
+    return number
+
+
+def _nonnegative(name, value):
+    number = _real(name, value)
+    if not (math.isfinite(number) and number >= 0):
+        raise RopeValueError(f"{name} must be finite and >= 0, got {value!r}")
     return number
 
 
@@ -42,6 +53,16 @@ def _length(name, value):
     if value < 1:
         raise RopeValueError(f"{name} must be >= 1, got {value}")
     return int(value)
+
+
+def _optional(check):
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _coerce(rule, **checks):
+    """Check and normalize fields of a frozen rule in __post_init__: name=checker(name, value)."""
+    for name, check in checks.items():
+        object.__setattr__(rule, name, check(name, getattr(rule, name)))
 
 
 def plain_inv_freq(dim, base):
@@ -80,7 +101,7 @@ class Linear(ScalingRule):
     factor: float
 
     def __post_init__(self):
-        object.__setattr__(self, "factor", _positive("factor", self.factor))
+        _coerce(self, factor=_positive)
 
     def _block(self, dim, base, key):
         return plain_inv_freq(dim, base) / self.factor
@@ -93,7 +114,7 @@ class NTK(ScalingRule):
     factor: float
 
     def __post_init__(self):
-        object.__setattr__(self, "factor", _positive("factor", self.factor))
+        _coerce(self, factor=_positive)
 
     def check(self, blocks):
         _no_two_feature_blocks(blocks, "NTK")
@@ -112,12 +133,7 @@ class DynamicNTK(ScalingRule):
     dynamic = True
 
     def __post_init__(self):
-        object.__setattr__(self, "factor", _positive("factor", self.factor))
-        object.__setattr__(
-            self,
-            "original_max_positions",
-            _length("original_max_positions", self.original_max_positions),
-        )
+        _coerce(self, factor=_positive, original_max_positions=_length)
 
     def check(self, blocks):
         _no_two_feature_blocks(blocks, "DynamicNTK")
@@ -159,23 +175,16 @@ class YaRN(ScalingRule):
     truncate: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "factor", _positive("factor", self.factor))
-        object.__setattr__(
+        _coerce(
             self,
-            "original_max_positions",
-            _length("original_max_positions", self.original_max_positions),
+            factor=_positive,
+            original_max_positions=_length,
+            beta_fast=_positive,
+            beta_slow=_positive,
+            mscale=_nonnegative,
+            mscale_all_dim=_nonnegative,
+            attention_factor=_optional(_positive),
         )
-        object.__setattr__(self, "beta_fast", _positive("beta_fast", self.beta_fast))
-        object.__setattr__(self, "beta_slow", _positive("beta_slow", self.beta_slow))
-        for name in ("mscale", "mscale_all_dim"):
-            value = float(getattr(self, name))
-            if not (math.isfinite(value) and value >= 0):
-                raise RopeValueError(f"{name} must be finite and >= 0, got {value!r}")
-            object.__setattr__(self, name, value)
-        if self.attention_factor is not None:
-            object.__setattr__(
-                self, "attention_factor", _positive("attention_factor", self.attention_factor)
-            )
         if not isinstance(self.truncate, (bool, np.bool_)):
             raise RopeTypeError(f"truncate must be a bool, got {self.truncate!r}")
 
@@ -219,12 +228,12 @@ class Llama3(ScalingRule):
     original_max_positions: int
 
     def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        object.__setattr__(
+        _coerce(
             self,
-            "original_max_positions",
-            _length("original_max_positions", self.original_max_positions),
+            factor=_positive,
+            low_freq_factor=_positive,
+            high_freq_factor=_positive,
+            original_max_positions=_length,
         )
         if self.high_freq_factor <= self.low_freq_factor:
             raise RopeValueError(
@@ -281,14 +290,12 @@ class LongRoPE(ScalingRule):
                 f"short_factor and long_factor must have one value per pair, got "
                 f"{len(self.short_factor)} and {len(self.long_factor)}"
             )
-        object.__setattr__(
+        _coerce(
             self,
-            "original_max_positions",
-            _length("original_max_positions", self.original_max_positions),
+            original_max_positions=_length,
+            factor=_optional(_positive),
+            attention_factor=_optional(_positive),
         )
-        for name in ("factor", "attention_factor"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, _positive(name, getattr(self, name)))
 
     def check(self, blocks):
         pairs = sum(dim // 2 for dim, _ in blocks)
