@@ -457,17 +457,35 @@ def apply(rope, xs, pos, inverse, outs, backend, seq_len):
     values, is_int, high = _positions(rope, pos, leads)
     if family == "numpy" and _family(values) == "cupy":
         raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
+    if family == "cupy":
+        with xs[0].device:  # tables, copies and launches on x's device
+            return _run(rope, xs, outs, values, is_int, high, xp, family, launch, inverse, seq_len)
+    return _run(rope, xs, outs, values, is_int, high, xp, family, launch, inverse, seq_len)
+
+
+def _run(rope, xs, outs, values, is_int, high, xp, family, launch, inverse, seq_len):
+    """Tables, results and the launch, for inputs that are already checked."""
     device = xs[0].device.id if family == "cupy" else None
-    dtype = _table_dtype(xs[0].dtype)
     cos, sin, idx = _tables(
-        rope, values, is_int, high, xp, device, dtype, _seq_len(rope, seq_len, high)
+        rope,
+        values,
+        is_int,
+        high,
+        xp,
+        device,
+        _table_dtype(xs[0].dtype),
+        _seq_len(rope, seq_len, high),
     )
+    if family == "cupy":
+        # Row indices go to the device before any geometry is read from them: the copy, not
+        # the host array, is what the kernels address.
+        idx = xp.asarray(idx)
     results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
 
     if launch is None:
         cos_rows, sin_rows = _gather(rope, xp, cos, sin, idx)
+        rotate = _reference_rotate()
         for x, out in zip(xs, results):
-            rotate = _reference_rotate()
             rotate(
                 xp,
                 x,

@@ -191,7 +191,7 @@ def launch(rope, operands, cos, sin, inverse):
         )
         args = []
         for x, out, idx in operands:
-            args += (x, out, cupy.asarray(idx))  # arrays pass as the address of element 0
+            args += (x, out, idx)  # arrays pass as the address of their element 0
         if len(operands) == 1:
             args += args  # the second operand has zero rows
         n1 = rows(g_host, 0)

@@ -184,7 +184,7 @@ def launch(rope, operands, cos, sin, inverse):
         if bf16_bits:
             xf = xf.view(np.uint16)
             of = xf if out is x else of.view(np.uint16)
-        args += (to_device(xf), to_device(of), to_device(flat_view(to_device(idx))[0]))
+        args += (to_device(xf), to_device(of), to_device(flat_view(idx)[0]))
         written.append(of)
     if len(operands) == 1:
         args += args  # the second operand has zero rows
