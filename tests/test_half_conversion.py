@@ -1,0 +1,121 @@
+"""The in-register half-type conversions of the CPU kernels, against NumPy and ml_dtypes.
+
+Both float16 paths are checked: F16C instructions (where the CPU has them) and the bit
+arithmetic that other CPUs use, on every float16 value and on float32 values around every
+rounding boundary.
+"""
+
+import numpy as np
+import pytest
+from conftest import BF16
+
+cpu = pytest.importorskip("arrayrope._cpu", reason="the CPU kernels need Numba")
+from numba import njit  # noqa: E402
+
+ALL_F16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.int16)
+
+
+@njit
+def _widen_soft(bits, out):
+    for i in range(bits.size):
+        out[i] = cpu._f16_to_f32(bits[i])
+
+
+@njit
+def _narrow_soft(values, out):
+    for i in range(values.size):
+        out[i] = cpu._f32_to_f16(values[i])
+
+
+@njit
+def _widen_bf16(bits, out):
+    for i in range(bits.size):
+        out[i] = cpu._bf16_to_f32(bits[i])
+
+
+@njit
+def _narrow_bf16(values, out):
+    for i in range(values.size):
+        out[i] = cpu._f32_to_bf16(values[i])
+
+
+@njit
+def _round_trip_loaded(bits, out):
+    # through the overloads the kernels use (hardware F16C where available)
+    for i in range(bits.size):
+        cpu._store(out, np.uint64(i), cpu._load(bits, np.uint64(i)))
+
+
+def _float32_samples():
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    # every float16 value, and the float32 values just around each midpoint between neighbours
+    f16 = ALL_F16.view(np.float16).astype(np.float32)
+    f16 = f16[np.isfinite(f16)]
+    mids = (np.sort(f16.astype(np.float64))[:-1] + np.sort(f16.astype(np.float64))[1:]) / 2
+    mids = mids.astype(np.float32)
+    near = np.concatenate([mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf)])
+    edges = np.array(
+        [
+            65504,
+            65519.996,
+            65520,
+            65536,
+            1e9,
+            2**-14,
+            2**-24,
+            2**-25,
+            3 * 2**-26,
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+        ],
+        dtype=np.float32,
+    )
+    return np.concatenate([random_bits.view(np.float32), f16, near, edges])
+
+
+def _same(got, expected):
+    """Bit-equal, except that any nan matches any nan (payloads are not part of the contract)."""
+    nan = np.isnan(expected)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint8), expected[~nan].view(np.uint8))
+
+
+def test_software_float16_widening_is_exact_for_every_value():
+    out = np.empty(ALL_F16.size, np.float32)
+    _widen_soft(ALL_F16, out)
+    _same(out, ALL_F16.view(np.float16).astype(np.float32))
+
+
+def test_software_float16_narrowing_rounds_half_to_even_like_numpy():
+    values = _float32_samples()
+    out = np.empty(values.size, np.int16)
+    _narrow_soft(values, out)
+    with np.errstate(over="ignore"):  # the samples include values that overflow to inf
+        expected = values.astype(np.float16)
+    _same(out.view(np.float16), expected)
+
+
+def test_bfloat16_conversions_match_ml_dtypes():
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(bits.size, np.float32)
+    _widen_bf16(bits, out)
+    _same(out, bits.view(BF16).astype(np.float32))
+    values = _float32_samples()
+    narrowed = np.empty(values.size, np.uint16)
+    _narrow_bf16(values, narrowed)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and nan samples
+        expected = values.astype(BF16).astype(np.float32)
+    _same(narrowed.view(BF16).astype(np.float32), expected)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_kernel_conversions_round_trip_every_value(kind):
+    bits = ALL_F16 if kind == "float16" else ALL_F16.view(np.uint16)
+    out = np.empty_like(bits)
+    _round_trip_loaded(bits, out)
+    dtype = np.float16 if kind == "float16" else BF16
+    _same(out.view(dtype).astype(np.float32), bits.view(dtype).astype(np.float32))
