@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from ._errors import RopeTypeError, RopeValueError
+from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _CPU, _CUDA, _CUDA_MANAGED = 1, 2, 13  # DLPack device types
 
@@ -64,16 +64,20 @@ def adopt(name, a):
         else:
             raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
     if bits:
-        import ml_dtypes
-
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise BackendUnavailableError(
+                f"{name} is bfloat16, which needs ml_dtypes: pip install 'arrayrope[bfloat16]'"
+            ) from None
         native = native.view(ml_dtypes.bfloat16)
     read_only = framework in ("jax", "jaxlib") or (
         isinstance(native, np.ndarray) and not native.flags.writeable
     )
-    return native, _restorer(framework, a), read_only
+    return native, _restorer(framework), read_only
 
 
-def _restorer(framework, like):
+def _restorer(framework):
     if framework == "torch":
         torch = sys.modules["torch"]
 
@@ -100,12 +104,15 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
     or CuPy) with its own slice of positions. The feature axis is made whole first."""
     import dask.array as da
 
-    from ._api import _family, _positions, _seq_len
+    from ._api import _broadcasts, _family, _positions, _seq_len, _table_dtype
 
+    # Checked now, not when a worker computes a chunk.
     if outs is not None:
         raise RopeValueError("out is not supported for dask arrays (their results are lazy)")
     if not all(is_dask(x) for x in xs):
         raise RopeTypeError("q and k must both be dask arrays, or neither")
+    if not isinstance(inverse, (bool, np.bool_)):
+        raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
     leads = [x.shape[:-1] for x in xs]
     for name, x in zip(("x",) if len(xs) == 1 else ("q", "k"), xs):
         if x.ndim == 0 or x.shape[-1] != rope.head_dim:
@@ -113,8 +120,23 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
                 f"{name}.shape[-1] must equal head_dim ({rope.head_dim}), got "
                 f"{x.shape[-1] if x.ndim else 'a 0-d array'}"
             )
+        if _table_dtype(x.dtype) is None:
+            raise RopeTypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
+            )
     if is_dask(pos):
+        if pos.dtype.kind not in "iuf":
+            raise RopeTypeError(f"pos must hold integers or real numbers, got dtype {pos.dtype}")
+        if rope.n_axes > 1 and (pos.ndim == 0 or pos.shape[-1] != rope.n_axes):
+            raise RopeValueError(
+                f"pos must end in an axis of size n_axes ({rope.n_axes}), got shape {pos.shape}"
+            )
         values = pos if rope.n_axes > 1 else pos[..., None]
+        if not all(_broadcasts(values.shape[:-1], lead) for lead in leads):
+            raise RopeValueError(
+                f"pos of shape {pos.shape} does not broadcast to the leading shape "
+                + " and ".join(str(lead) for lead in leads)
+            )
         dynamic = rope.scaling is not None and rope.scaling.dynamic
         if dynamic and seq_len is None:  # one length for every chunk, from all positions
             seq_len = int(values.max().compute()) + 1

@@ -193,3 +193,9 @@ def test_dask_errors():
         ar.rotate(xd, out=xd)
     with pytest.raises(RopeValueError, match="pos of shape"):
         ar.rotate(xd, np.arange(5))
+    with pytest.raises(RopeValueError, match="pos of shape"):
+        ar.rotate(xd, da.arange(5, chunks=2))
+    with pytest.raises(RopeTypeError, match="x must be float16"):
+        ar.rotate(da.zeros((4, 8), chunks=2, dtype=np.int32))
+    with pytest.raises(RopeTypeError, match="inverse must be a bool"):
+        ar.rotate(xd, inverse="no")
