@@ -26,7 +26,12 @@ from ._layout import flat_view, geometry
 # Inputs below this many elements run on one thread: a parallel launch costs ~2 µs and can stall
 # for milliseconds after an idle gap, more than the whole work of a decode step.
 SERIAL_BELOW = int(os.environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
-_CACHE = os.environ.get("ARRAYROPE_NUMBA_CACHE", "1") != "0"
+# Disk cache of compiled kernels. Off when the software float16 path is forced: Numba's cache key
+# does not see that switch, and would hand back kernels built for the other one.
+_CACHE = (
+    os.environ.get("ARRAYROPE_NUMBA_CACHE", "1") != "0"
+    and os.environ.get("ARRAYROPE_SOFT_F16", "0") == "0"
+)
 
 
 @intrinsic

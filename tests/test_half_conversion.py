@@ -119,3 +119,26 @@ def test_kernel_conversions_round_trip_every_value(kind):
     _round_trip_loaded(bits, out)
     dtype = np.float16 if kind == "float16" else BF16
     _same(out.view(dtype).astype(np.float32), bits.view(dtype).astype(np.float32))
+
+
+def test_kernels_on_the_software_float16_path():
+    # What CPUs without F16C run: the whole kernel, fast path and general path, in a fresh
+    # process with the switch set (kernels compile there, uncached).
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, arrayrope as ar\n"
+        "from arrayrope import _cpu\n"
+        "assert not _cpu.HARDWARE_F16\n"
+        "x = (np.random.default_rng(0).standard_normal((3, 5, 16)) * 300).astype(np.float16)\n"
+        "for style in ('interleaved', 'half'):\n"
+        "    ref = ar.rotate(x, 1000, style=style, backend='numpy')\n"
+        "    fast = ar.rotate(x, 1000, style=style)\n"
+        "    general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
+        "    assert (fast.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
+        "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
+    )
+    env = dict(os.environ, ARRAYROPE_SOFT_F16="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
