@@ -20,13 +20,12 @@ def _as_strided(a):
 def flat_view(a):
     """A 1-D view over the memory ``a`` spans, and the element offset of ``a[0, ..., 0]`` in it.
 
-    Returns None when a stride is not a whole number of elements. ``a`` must not be empty.
+    ``a`` must not be empty, and its strides must be whole numbers of elements (the API routes
+    other layouts through a temporary before any kernel sees them).
     """
     if a.flags.c_contiguous:
         return a.reshape(-1), 0
     item = a.itemsize
-    if any(s % item for s in a.strides):
-        return None
     low = high = 0
     for n, s in zip(a.shape, a.strides):
         if s < 0:

@@ -10,6 +10,7 @@ import numpy as np
 from . import _api
 from ._cache import CosSinTables
 from ._errors import RopeTypeError, RopeValueError
+from .scaling import ScalingRule, plain_inv_freq
 
 STYLES = ("interleaved", "half")
 
@@ -81,12 +82,12 @@ def _restore(config):
         head_dim,
         rotary_dim,
         style,
+        base,
         max_positions,
         scaling,
         list(blocks),
         np.array(pair_axis, dtype=np.int64),
     )
-    rope.base = base
     return rope
 
 
@@ -148,21 +149,20 @@ class RoPE:
             head_dim,
             rotary_dim,
             _style_arg(style),
+            base,
             max_positions,
             scaling,
             blocks=[(rotary_dim, base)],
             pair_axis=np.zeros(rotary_dim // 2, np.int64),
         )
-        self.base = base
 
-    def _setup(self, head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis):
+    def _setup(self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis):
         """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
         that are concatenated into inv_freq; ``pair_axis`` gives each pair's position axis."""
+        self.base = base
         if max_positions is not None:
             max_positions = _int_arg("max_positions", max_positions, minimum=1)
         if scaling is not None:
-            from .scaling import ScalingRule
-
             if not isinstance(scaling, ScalingRule):
                 raise RopeTypeError(
                     "scaling must be a rule from arrayrope.scaling (Linear, NTK, DynamicNTK, "
@@ -193,9 +193,7 @@ class RoPE:
             found = self._sets.get(key)
             if found is None:
                 if self.scaling is None:
-                    inv_freq = np.concatenate(
-                        [b ** (-np.arange(0, n, 2, dtype=np.float64) / n) for n, b in self._blocks]
-                    )
+                    inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in self._blocks])
                     scale = 1.0
                 else:
                     inv_freq, scale = self.scaling.frequencies(self._blocks, key)
@@ -237,12 +235,12 @@ class RoPE:
             head_dim,
             head_dim,
             _style_arg(style),
+            base,
             max_positions,
             scaling,
             blocks=[(n, base) for n in dims],
             pair_axis=pair_axis,
         )
-        rope.base = base
         return rope
 
     @classmethod
@@ -303,12 +301,12 @@ class RoPE:
             head_dim,
             rotary_dim,
             _style_arg(style),
+            base,
             max_positions,
             scaling,
             blocks=[(rotary_dim, base)],
             pair_axis=pair_axis,
         )
-        rope.base = base
         return rope
 
     @classmethod

@@ -14,50 +14,36 @@ from arrayrope._cuda_cupy import KERNEL_NAMES, SOURCE
 NVCC = shutil.which("nvcc")
 
 
+def _nvcc(arch, output_kind, source, output):
+    """nvcc with warnings as errors, from the front end through ptxas."""
+    command = [
+        NVCC,
+        "-std=c++14",
+        f"-arch={arch}",
+        "-Werror",
+        "all-warnings",
+        "-Xptxas",
+        "-Werror",
+        output_kind,
+        str(source),
+        "-o",
+        str(output),
+    ]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) is not on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compiles_without_warnings(tmp_path, arch):
     source = tmp_path / "rope.cu"
     source.write_text(SOURCE)
     ptx = tmp_path / "rope.ptx"
-    result = subprocess.run(
-        [
-            NVCC,
-            "-std=c++14",
-            f"-arch={arch}",
-            "-Werror",
-            "all-warnings",
-            "-Xptxas",
-            "-Werror",
-            "--ptx",
-            str(source),
-            "-o",
-            str(ptx),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    result = _nvcc(arch, "--ptx", source, ptx)
     assert result.returncode == 0, result.stderr
     entries = set(re.findall(r"\.visible \.entry (\w+)", ptx.read_text()))
     assert entries == set(KERNEL_NAMES)
     # And to machine code, which checks register and resource limits too.
-    cubin = subprocess.run(
-        [
-            NVCC,
-            "-std=c++14",
-            f"-arch={arch}",
-            "-Werror",
-            "all-warnings",
-            "-Xptxas",
-            "-Werror",
-            "--cubin",
-            str(source),
-            "-o",
-            str(tmp_path / "rope.cubin"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    cubin = _nvcc(arch, "--cubin", source, tmp_path / "rope.cubin")
     assert cubin.returncode == 0, cubin.stderr
 
 
