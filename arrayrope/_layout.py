@@ -39,6 +39,25 @@ def flat_view(a):
     return flat, -low // item
 
 
+def _merged_axes(shape, strides):
+    """The leading axes as a list of (size, (x, out, idx) strides), outermost first.
+
+    Axes of size 1 are dropped, and an axis merges into the one before it where all three arrays
+    step through the pair as through one axis: (B, H, T) of a contiguous x with positions (T,)
+    becomes (B*H, T), so kernels decode fewer axes and run longer inner loops.
+    """
+    merged = []
+    for k, n in enumerate(shape):
+        if n == 1:
+            continue
+        steps = tuple(s[k] for s in strides)
+        if merged and all(p == n * q for p, q in zip(merged[-1][1], steps)):
+            merged[-1] = (merged[-1][0] * n, steps)
+        else:
+            merged.append((n, steps))
+    return merged or [(1, (0, 0, 0))]
+
+
 _geometry_cache = {}
 
 
@@ -51,7 +70,8 @@ def geometry(operands, flat):
       g[t, 2, :L] out strides          g[t, 2, L] out offset
       g[t, 3, :L] idx strides          g[t, 3, L] idx offset
     Offsets are into ``flat_view`` buffers when ``flat``, else 0 (addresses from element 0, with
-    signed strides). A missing second operand has zero rows. Memoized on shapes and strides.
+    signed strides). L is at most the number of leading axes: see :func:`_merged_axes`. A
+    missing second operand has zero rows. Memoized on shapes and strides.
     """
     key = (flat,) + tuple(
         (x.shape, x.strides, o.strides, i.shape, i.strides) for x, o, i in operands
@@ -59,16 +79,23 @@ def geometry(operands, flat):
     g = _geometry_cache.get(key)
     if g is not None:
         return g
-    nlead = operands[0][0].ndim - 1
-    g = np.zeros((2, 4, nlead + 1), dtype=np.int64)
-    for t, (x, out, idx) in enumerate(operands):
-        g[t, 0, :nlead] = x.shape[:-1]
-        g[t, 0, nlead] = 0 if idx.shape[-1] == 1 else idx.strides[-1] // idx.itemsize
-        for row, a in ((1, x), (2, out)):
-            g[t, row, :nlead] = [s // a.itemsize for s in a.strides[:-1]]
-        g[t, 3, :nlead] = [
-            0 if n == 1 else s // idx.itemsize for n, s in zip(idx.shape[:-1], idx.strides[:-1])
+    per_operand = []
+    for x, out, idx in operands:
+        strides = [
+            [s // x.itemsize for s in x.strides[:-1]],
+            [s // out.itemsize for s in out.strides[:-1]],
+            [0 if n == 1 else s // idx.itemsize for n, s in zip(idx.shape[:-1], idx.strides[:-1])],
         ]
+        per_operand.append(_merged_axes(x.shape[:-1], strides))
+    nlead = max(len(axes) for axes in per_operand)
+    g = np.zeros((2, 4, nlead + 1), dtype=np.int64)
+    for t, ((x, out, idx), axes) in enumerate(zip(operands, per_operand)):
+        first = nlead - len(axes)
+        g[t, 0, :first] = 1  # an operand with fewer axes starts with axes of size 1
+        for k, (n, steps) in enumerate(axes):
+            g[t, 0, first + k] = n
+            g[t, 1:, first + k] = steps
+        g[t, 0, nlead] = 0 if idx.shape[-1] == 1 else idx.strides[-1] // idx.itemsize
         if flat:
             g[t, 1, nlead] = flat_view(x)[1]
             g[t, 2, nlead] = flat_view(out)[1]
