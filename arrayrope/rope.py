@@ -179,6 +179,8 @@ class RoPE:
         self._blocks = tuple(blocks)
         self._pair_axis = pair_axis
         self._segments = _segments(pair_axis)
+        # Decode and prefill calls may take the fast path (see _api.rotate_small).
+        self._small = self.n_axes == 1 and (scaling is None or not scaling.dynamic)
         self._sets = {}
         self._lock = threading.Lock()
         self._default = self._freq_set(None)
@@ -398,7 +400,7 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        if out is None and backend in ("auto", "numba"):
+        if out is None and self._small and (backend == "auto" or backend == "numba"):
             small = _api.rotate_small(self, x, pos, inverse)
             if small is not None:
                 return small
