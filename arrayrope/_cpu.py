@@ -280,33 +280,11 @@ def _rows(
     half_style,
     inverse,
     copy_tail,
-    pair_axis,
 ):
     """Rows first..stop-1 of operand t. The leading index is decoded (int64 divisions) once per
     run of the innermost leading axis; within a run the offsets advance by its strides. Per-row
     index bookkeeping cost as much as rotating a float32 row in cache."""
     if first >= stop:
-        return
-    if pair_axis.shape[0]:
-        # Decided here, once, so that the ordinary row loop below carries no trace of it:
-        # inlined into that loop, the gather path slowed every row twofold.
-        _rows_gathered(
-            x,
-            o,
-            idx,
-            g,
-            t,
-            first,
-            stop,
-            cos,
-            sin,
-            rotary_dim,
-            d,
-            half_style,
-            inverse,
-            copy_tail,
-            pair_axis,
-        )
         return
     inner = g.shape[2] - 2
     sx, so, sp = g[t, 1, inner], g[t, 2, inner], g[t, 3, inner]
@@ -327,69 +305,6 @@ def _rows(
                 cos,
                 sin,
                 seg,
-                rotary_dim,
-                d,
-                half_style,
-                inverse,
-                copy_tail,
-            )
-        row += run
-
-
-@njit
-def _rows_gathered(
-    x,
-    o,
-    idx,
-    g,
-    t,
-    first,
-    stop,
-    cos,
-    sin,
-    rotary_dim,
-    d,
-    half_style,
-    inverse,
-    copy_tail,
-    pair_axis,
-):
-    """Rows whose pairs change axis every few pairs (Qwen3-VL assigns axes pair by pair): each
-    row's cos/sin is gathered first, one blend pass per axis (contiguous loads and a select,
-    which vectorize), then the row is rotated as one run (0.17 -> ~0.45 of copy)."""
-    half = rotary_dim // 2
-    row_cos = np.empty((1, half), dtype=cos.dtype)
-    row_sin = np.empty((1, half), dtype=cos.dtype)
-    one_run = np.zeros((1, 3), dtype=np.int64)
-    one_run[0, 1] = half
-    n_axes = 0
-    for j in range(half):
-        n_axes = max(n_axes, pair_axis[j] + 1)
-    inner = g.shape[2] - 2
-    sx, so, sp = g[t, 1, inner], g[t, 2, inner], g[t, 3, inner]
-    axis_stride = g[t, 0, inner + 1]
-    row = first
-    while row < stop:
-        xb, ob, pb, left = _run_start(g, t, row)
-        run = min(left, stop - row)
-        for i in range(run):
-            for a in range(n_axes):
-                p = idx[pb + i * sp + a * axis_stride]
-                for j in range(half):
-                    mine = pair_axis[j] == a
-                    row_cos[0, j] = cos[p, j] if mine else row_cos[0, j]
-                    row_sin[0, j] = sin[p, j] if mine else row_sin[0, j]
-            _row(
-                x,
-                o,
-                (0,),
-                np.uint64(xb + i * sx),
-                np.uint64(ob + i * so),
-                0,
-                0,
-                row_cos,
-                row_sin,
-                one_run,
                 rotary_dim,
                 d,
                 half_style,
@@ -424,7 +339,6 @@ def rotate_serial(
     half_style,
     inverse,
     copy_tail,
-    pair_axis,
 ):
     _rows(
         x1,
@@ -442,7 +356,6 @@ def rotate_serial(
         half_style,
         inverse,
         copy_tail,
-        pair_axis,
     )
     _rows(
         x2,
@@ -460,7 +373,6 @@ def rotate_serial(
         half_style,
         inverse,
         copy_tail,
-        pair_axis,
     )
 
 
@@ -487,7 +399,6 @@ def rotate_parallel(
     half_style,
     inverse,
     copy_tail,
-    pair_axis,
 ):
     n1 = _count_rows(g, 0)
     n2 = _count_rows(g, 1)
@@ -513,7 +424,6 @@ def rotate_parallel(
                 half_style,
                 inverse,
                 copy_tail,
-                pair_axis,
             )
         else:
             first = (task - tasks1) * chunk
@@ -533,7 +443,6 @@ def rotate_parallel(
                 half_style,
                 inverse,
                 copy_tail,
-                pair_axis,
             )
 
 
@@ -586,9 +495,29 @@ def position_range(p):
 
 
 _F16 = np.dtype(np.float16)
-# Layouts with more runs of pairs than this (Qwen3-VL's interleaved axes) take _rows_gathered.
+# Layouts with more runs of pairs than this (Qwen3-VL's interleaved axes) are rotated from
+# per-entry tables (see gather_tables): a run per pair or two would leave the loops no length.
 _GATHER_ABOVE = 4
-_NO_AXES = np.empty(0, dtype=np.int64)
+
+
+@njit(cache=_CACHE, parallel=True)
+def gather_tables(cos, sin, idx, pair_axis):
+    """Per-entry tables: row r holds, for every pair j, ``cos[idx[r, pair_axis[j]], j]``.
+
+    For layouts whose pairs change position axis every pair or two: the rotation then reads one
+    row per entry as one run. Entries are position tuples (tokens), shared by every head, so this
+    costs a fraction of the rotation (Qwen3-VL, (4, 32, 2048, 128): 8192 entries for 1M rows).
+    """
+    n = idx.shape[0]
+    pairs = pair_axis.shape[0]
+    row_cos = np.empty((n, pairs), dtype=cos.dtype)
+    row_sin = np.empty((n, pairs), dtype=sin.dtype)
+    for r in prange(n):
+        for j in range(pairs):
+            p = idx[r, pair_axis[j]]
+            row_cos[r, j] = cos[p, j]
+            row_sin[r, j] = sin[p, j]
+    return row_cos, row_sin
 
 
 def rotate_small(rope, x, pos, cos, sin, inverse):
@@ -621,6 +550,12 @@ def launch(rope, operands, cos, sin, inverse):
     axis contiguous, every stride a whole number of elements, ``out is x`` for in place; idx
     int64 of shape (L axes of size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
     """
+    segments = rope._segments
+    if segments.shape[0] > 1 and operands[0][2].shape[-1] == 1:
+        segments = _ONE_RUN[rope.rotary_dim // 2]  # per-entry tables already: one row per entry
+    elif segments.shape[0] > _GATHER_ABOVE:
+        operands, cos, sin = _per_entry(rope, operands, cos, sin)
+        segments = _ONE_RUN[rope.rotary_dim // 2]
     g = geometry(operands, flat=True)
     args = []
     for x, out, idx in operands:
@@ -643,11 +578,45 @@ def launch(rope, operands, cos, sin, inverse):
         g,
         cos,
         sin,
-        rope._segments,
+        segments,
         rope.rotary_dim,
         d,
         rope._half_style,
         inverse,
         copy_tail,
-        rope._pair_axis if rope._segments.shape[0] > _GATHER_ABOVE else _NO_AXES,
     )
+
+
+class _OneRun(dict):
+    """The segment table of a single run of ``pairs`` pairs, built once per size."""
+
+    def __missing__(self, pairs):
+        run = self[pairs] = np.array([[0, pairs, 0]], dtype=np.int64)
+        return run
+
+
+_ONE_RUN = _OneRun()
+
+
+def _per_entry(rope, operands, cos, sin):
+    """The operands re-pointed at per-entry tables gathered from (cos, sin), and those tables.
+
+    Entries are the compact position entries: axes along which positions are broadcast (size 1
+    or stride 0) are read once. q and k passing one position array share its tables.
+    """
+    cos_parts, sin_parts, entries_of, result = [], [], {}, []
+    count = 0
+    for x, out, idx in operands:
+        if id(idx) not in entries_of:
+            compact = idx[tuple(slice(0, 1) if s == 0 else slice(None) for s in idx.strides)]
+            flat = np.ascontiguousarray(compact).reshape(-1, idx.shape[-1])
+            row_cos, row_sin = gather_tables(cos, sin, flat, rope._pair_axis)
+            cos_parts.append(row_cos)
+            sin_parts.append(row_sin)
+            entries = np.arange(count, count + flat.shape[0], dtype=np.int64)
+            entries_of[id(idx)] = entries.reshape(compact.shape[:-1] + (1,))
+            count += flat.shape[0]
+        result.append((x, out, entries_of[id(idx)]))
+    if len(cos_parts) == 1:
+        return result, cos_parts[0], sin_parts[0]
+    return result, np.concatenate(cos_parts), np.concatenate(sin_parts)

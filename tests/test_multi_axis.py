@@ -92,6 +92,48 @@ def test_interleaved_assignment_matches_qwen3_vl(rng, dtype, backend):
     assert_matches(out, qwen3_oracle(x, pos, (24, 20, 20), 5e6), x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qwen3_vl_per_entry_tables_every_path(rng, dtype):
+    """The many-run layout rotates from per-entry tables: heads sharing positions, q and k in one
+    launch, in place, real-valued positions and a parallel-sized input all agree with the
+    oracle, and nothing is left unwritten."""
+    sections = (24, 20, 20)
+    rope = ar.RoPE.sectioned(128, sections, base=5e6, assign="interleaved")
+    q = rng.standard_normal((2, 8, 40, 128)).astype(dtype)
+    k = rng.standard_normal((2, 2, 40, 128)).astype(dtype)
+    pos = rng.integers(0, 4096, size=(2, 1, 40, 3))
+    outs = (poisoned(q.shape, dtype), poisoned(k.shape, dtype))
+    rope.rotate_qk(q, k, pos, out=outs)
+    assert_matches(outs[0], qwen3_oracle(q, pos, sections, 5e6), q)
+    assert_matches(outs[1], qwen3_oracle(k, pos, sections, 5e6), k)
+    inplace = q.copy()
+    rope.rotate(inplace, pos, out=inplace)
+    assert_matches(inplace, qwen3_oracle(q, pos, sections, 5e6), q)
+    real = pos + rng.random(pos.shape)
+    assert_matches(rope.rotate(q, real), qwen3_oracle(q, real, sections, 5e6), q)
+    big = rng.standard_normal((2, 16, 300, 128)).astype(dtype)  # past the serial threshold
+    big_pos = rng.integers(0, 4096, size=(2, 1, 300, 3))
+    assert_matches(rope.rotate(big, big_pos), qwen3_oracle(big, big_pos, sections, 5e6), big)
+
+
+def test_per_entry_tables_for_q_and_k_with_their_own_positions(rng):
+    """At the launcher, q and k may carry different position arrays: each gets its own
+    entries in the stacked per-entry tables."""
+    from arrayrope import _cpu
+
+    sections = (24, 20, 20)
+    rope = ar.RoPE.sectioned(128, sections, assign="interleaved")
+    q = rng.standard_normal((3, 5, 128)).astype(np.float32)
+    k = rng.standard_normal((3, 7, 128)).astype(np.float32)
+    pos_q = rng.integers(0, 300, size=(1, 5, 3))
+    pos_k = rng.integers(0, 300, size=(1, 7, 3))
+    cos, sin = rope._default.tables.cached(np, None, np.dtype(np.float32), 300)
+    outs = (poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype))
+    _cpu.launch(rope, [(q, outs[0], pos_q), (k, outs[1], pos_k)], cos, sin, False)
+    assert_matches(outs[0], qwen3_oracle(q, pos_q, sections, 10000.0), q)
+    assert_matches(outs[1], qwen3_oracle(k, pos_k, sections, 10000.0), k)
+
+
 def test_vit_2d_fractional_coordinates_are_exact(rng):
     rope = ar.RoPE.axial((32, 32), base=100.0)
     x = rng.standard_normal((3, 49, 64)).astype(np.float32)
