@@ -63,11 +63,14 @@ def qwen3_oracle(x, pos, sections, base):
 def test_axial_matches_flux(rng, dtype, backend):
     dims = (16, 56, 56)
     rope = ar.RoPE.axial(dims, base=10000.0)
-    x = rng.standard_normal((2, 3, 10, 128)).astype(dtype)
-    pos = rng.integers(0, 512, size=(2, 1, 10, 3))
-    out = poisoned(x.shape, dtype)
-    rope.rotate(x, pos, out=out, backend=backend)
-    assert_matches(out, flux_oracle(x, pos, dims, 10000.0), x)
+    # 3 heads: per-axis runs in the kernel; 12 heads share each token's positions: per-entry
+    # tables (the CPU kernel's two paths)
+    for heads in (3, 12):
+        x = rng.standard_normal((2, heads, 10, 128)).astype(dtype)
+        pos = rng.integers(0, 512, size=(2, 1, 10, 3))
+        out = poisoned(x.shape, dtype)
+        rope.rotate(x, pos, out=out, backend=backend)
+        assert_matches(out, flux_oracle(x, pos, dims, 10000.0), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
