@@ -203,6 +203,7 @@ def _shape_text(shapes):
     return " and ".join(str(s) for s in shapes)
 
 
+_cpu = None  # imported on first use: Numba loads with it
 _aranges = {}
 _scalars = {}
 
@@ -225,12 +226,14 @@ def _default_positions(rope, leads):
 
 def _position_range(values, family):
     """(min, max, finite) of a non-empty position array."""
-    # Broadcast axes (stride 0) repeat the same values: read one slice of them, copy nothing.
-    values = values[tuple(slice(0, 1) if s == 0 else slice(None) for s in values.strides)]
+    global _cpu
+    if 0 in values.strides:
+        # Broadcast axes (stride 0) repeat the same values: read one slice of them, copy nothing.
+        values = values[tuple(slice(0, 1) if s == 0 else slice(None) for s in values.strides)]
     if family == "numpy":
-        from ._cpu import position_range
-
-        return position_range(np.ascontiguousarray(values).reshape(-1))
+        if _cpu is None:
+            from . import _cpu
+        return _cpu.position_range(values.reshape(-1))  # a copy only where not contiguous
     xp = _namespace(family)
     low, high = (float(v) for v in xp.stack([values.min(), values.max()]).get())
     return low, high, bool(np.isfinite(low) and np.isfinite(high))
@@ -345,7 +348,6 @@ def _gather(rope, xp, cos, sin, idx):
     return cos[rows, columns], sin[rows, columns]
 
 
-_cpu = None
 
 
 def rotate_small(rope, x, pos, inverse):
