@@ -1,0 +1,117 @@
+"""A/B: this working tree's arrayrope against a git revision's, alternating in one process.
+
+On a shared machine the copy ceiling moves by 2x between minutes, so a change is judged by
+timing both versions in alternation, round after round, and comparing medians. The revision is
+extracted (git archive) as the package ``arrayrope_base`` into a temporary folder; each version
+keeps its own Numba disk cache, so the first run compiles both.
+
+    python bench/ab.py HEAD~3            # large tensors, multi-axis and decode rows
+    python bench/ab.py main --quick      # fewer rounds
+"""
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def base_package(revision, folder):
+    """Extract ``revision``'s arrayrope/ into ``folder`` as the package arrayrope_base."""
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", revision, "arrayrope"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    os.rename(os.path.join(folder, "arrayrope"), os.path.join(folder, "arrayrope_base"))
+    sys.path.insert(0, folder)
+    return importlib.import_module("arrayrope_base")
+
+
+def cases(ar, rng_seed=0):
+    """name -> zero-argument call, for one version of the package."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(rng_seed)
+    shape = (4, 32, 2048, 128)
+    found = {}
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        x = rng.standard_normal(shape).astype(dtype)
+        out = np.empty_like(x)
+        for style in ("interleaved", "half"):
+            rope = ar.RoPE(128, style=style)
+            name = f"rotate out= {np.dtype(dtype).name} {style}"
+            found[name] = (lambda r=rope, x=x, out=out: r.rotate(x, out=out), 2 * x.nbytes)
+    x = rng.standard_normal(shape).astype(np.float32)
+    out = np.empty_like(x)
+    pos = rng.integers(0, 64, (4, 1, 2048, 3))
+    layouts = {
+        "multi-axis axial (16, 56, 56)": ar.RoPE.axial((16, 56, 56)),
+        "multi-axis sectioned (16, 24, 24)": ar.RoPE.sectioned(128, (16, 24, 24)),
+        "multi-axis Qwen3-VL (24, 20, 20)": ar.RoPE.sectioned(
+            128, (24, 20, 20), assign="interleaved"
+        ),
+    }
+    for name, rope in layouts.items():
+        found[name] = (lambda r=rope: r.rotate(x, pos, out=out), 2 * x.nbytes)
+    step = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+    decode = ar.RoPE(128)
+    at = np.array([5])
+    found["decode RoPE.rotate(x, int)"] = (lambda: decode.rotate(step, 5), None)
+    found["decode RoPE.rotate(x, array)"] = (lambda: decode.rotate(step, at), None)
+    return found
+
+
+def timed(fn, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revision", help="git revision to compare against, e.g. HEAD~1")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 7
+    import arrayrope as new
+
+    with tempfile.TemporaryDirectory() as folder:
+        base = base_package(args.revision, folder)
+        versions = {"base": cases(base), "new": cases(new)}
+        print(f"# A/B: {args.revision} (base) against the working tree (new), {rounds} rounds")
+        print("| case | base | new | new / base |")
+        print("|---|---:|---:|---:|")
+        for name in versions["new"]:
+            calls = {v: versions[v][name] for v in versions if name in versions[v]}
+            if len(calls) < 2:
+                continue
+            nbytes = calls["new"][1]
+            repeat = 1 if nbytes else 2000
+            for fn, _ in calls.values():  # warm up: compile or load, build tables
+                fn()
+                fn()
+            samples = {v: [] for v in calls}
+            for _ in range(rounds):
+                for v, (fn, _) in calls.items():
+                    samples[v].append(min(timed(fn, repeat) for _ in range(2)))
+            median = {v: float(np.median(s)) for v, s in samples.items()}
+            if nbytes:
+                text = {v: f"{nbytes / t / 1e9:.1f} GB/s" for v, t in median.items()}
+                ratio = median["base"] / median["new"]
+            else:
+                text = {v: f"{t * 1e6:.2f} us" for v, t in median.items()}
+                ratio = median["base"] / median["new"]
+            print(f"| {name} | {text['base']} | {text['new']} | {ratio:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
