@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from arrayrope._layout import flat_view, geometry
 
 
-def _row_offsets_by_axes(x, out, idx):
-    """(x, out, idx) element offsets of every row, in C order, from the arrays' own strides."""
-    xo, oo, io = flat_view(x)[1], flat_view(out)[1], flat_view(idx)[1]
+def _row_offsets_by_axes(x, out, idx, flat=True):
+    """(x, out, idx) element offsets of every row, in C order, from the arrays' own strides:
+    into the flat views (``flat``), or from each array's element 0 (the CUDA C kernels)."""
+    xo, oo, io = (flat_view(a)[1] if flat else 0 for a in (x, out, idx))
     rows = []
     for i in itertools.product(*(range(n) for n in x.shape[:-1])):
         rows.append(
@@ -66,11 +67,11 @@ def operands(draw):
 @settings(max_examples=200, deadline=None)
 @given(operands(), operands())
 def test_merged_geometry_walks_every_row_where_the_strides_do(first, second):
-    for ops in ([first], [first, second]):
-        g = geometry(ops, flat=True)
+    for ops, flat in itertools.product(([first], [first, second]), (True, False)):
+        g = geometry(ops, flat=flat)
         assert g.shape[2] - 1 <= max(o[0].ndim - 1 for o in ops)
         for t, (x, out, idx) in enumerate(ops):
-            assert _row_offsets_by_geometry(g, t) == _row_offsets_by_axes(x, out, idx)
+            assert _row_offsets_by_geometry(g, t) == _row_offsets_by_axes(x, out, idx, flat)
         if len(ops) == 1:
             assert not g[1, 0, :-1].any()  # the missing second operand has zero rows
 
