@@ -224,6 +224,18 @@ def _default_positions(rope, leads):
     return values, True, length - 1
 
 
+def _scalar_position(pos):
+    """A read-only (1, 1) int64 array holding ``pos``, cached."""
+    values = _scalars.get(pos)
+    if values is None:
+        values = np.full((1, 1), pos, dtype=np.int64)
+        values.flags.writeable = False
+        if len(_scalars) > 4096:
+            _scalars.clear()
+        _scalars[int(pos)] = values
+    return values
+
+
 def _position_range(values, family):
     """(min, max, finite) of a non-empty position array."""
     global _cpu
@@ -254,14 +266,7 @@ def _positions(rope, pos, leads):
             )
         if not 0 <= pos < POSITION_LIMIT:
             raise RopeValueError(f"pos must be in [0, 2**31), got {pos}")
-        values = _scalars.get(pos)
-        if values is None:
-            values = np.full((1, 1), pos, dtype=np.int64)
-            values.flags.writeable = False
-            if len(_scalars) > 4096:
-                _scalars.clear()
-            _scalars[int(pos)] = values
-        return values, True, int(pos)
+        return _scalar_position(pos), True, int(pos)
     family = _family(pos)
     if family:
         values = pos
@@ -348,15 +353,41 @@ def _gather(rope, xp, cos, sin, idx):
     return cos[rows, columns], sin[rows, columns]
 
 
+def _row_positions(pos, lead):
+    """Positions for the rows of a C-contiguous x with leading shape ``lead``, as (flat int64
+    array, repeat, period): row r sits at ``flat[(r // repeat) % period]``. None where ``pos``
+    broadcasts in another pattern (across an axis in the middle of its own), or not at all.
+
+    Covers what decode and prefill pass: (T,) against (B, H, T), (B, 1, 1) or (B, 1) against
+    (B, H, 1) or (B, T, H), one position for every row, and no broadcasting at all.
+    """
+    offset = len(lead) - pos.ndim
+    if offset < 0:
+        return None
+    varying = [offset + k for k, n in enumerate(pos.shape) if n != 1]
+    if not varying:
+        return pos.reshape(1), 1, 1
+    first, stop = varying[0], varying[-1] + 1
+    period = 1
+    for k in range(first, stop):
+        if pos.shape[k - offset] != lead[k]:
+            return None
+        period *= lead[k]
+    repeat = 1
+    for n in lead[stop:]:
+        repeat *= n
+    return pos.reshape(-1), repeat, period
 
 
 def rotate_small(rope, x, pos, inverse):
     """The decode and prefill fast path, or None where a call needs the general one.
 
-    It takes a small C-contiguous NumPy ``x`` and a Python int position or None, for a RoPE
-    with one position axis and no length-dependent scaling (``rope._small``): the shapes of a
-    decode step, where the general path's layout bookkeeping costs more than the rotation.
-    Anything else, bad input included, returns None and goes the general way, which checks it.
+    It takes a small C-contiguous NumPy ``x``, and positions as None, a Python int or an integer
+    NumPy array in a common broadcast pattern (see :func:`_row_positions`), for a RoPE with one
+    position axis and no length-dependent scaling (``rope._small``): the shapes of a decode
+    step, where the general path's layout bookkeeping costs more than the rotation. Anything
+    else, bad input included, returns None and goes the general way, which checks it; so does a
+    position that is negative or past the cached table, which the kernel finds before writing.
     Same kernel body, same results.
     """
     global _cpu
@@ -369,9 +400,23 @@ def rotate_small(rope, x, pos, inverse):
     ):
         return None
     if pos is None:
-        high = x.shape[-2] - 1 if x.ndim > 1 else 0
-    elif type(pos) is int and 0 <= pos < POSITION_LIMIT:
-        high = pos
+        if x.ndim == 1:
+            positions, repeat, period, high = 0, 1, 1, 0
+        else:
+            positions = _default_positions(rope, [x.shape[:-1]])[0].reshape(-1)
+            repeat, period, high = 1, x.shape[-2], x.shape[-2] - 1
+    elif type(pos) is int:
+        if not 0 <= pos < POSITION_LIMIT:
+            return None
+        positions, repeat, period, high = pos, 1, 1, pos
+    elif type(pos) is np.ndarray and pos.dtype.kind in "iu":
+        found = _row_positions(pos, x.shape[:-1])
+        if found is None:
+            return None
+        positions, repeat, period = found
+        if positions.dtype != np.int64:
+            positions = positions.astype(np.int64)  # a wrapped uint64 turns negative: refused
+        high = 0  # unknown here: the kernel refuses positions past the table
     else:
         return None
     if _cpu is None:
@@ -384,10 +429,10 @@ def rotate_small(rope, x, pos, inverse):
     cache = rope._default.tables
     tables = cache._tables.get((None, dtype))
     if tables is None or tables[0].shape[0] <= high:
-        tables = cache.cached(np, None, dtype, high)
+        tables = cache.cached(np, None, dtype, max(high, 0))
         if tables is None:
             return None
-    return _cpu.rotate_small(rope, x, pos, tables[0], tables[1], inverse)
+    return _cpu.rotate_small(rope, x, positions, repeat, period, tables[0], tables[1], inverse)
 
 
 def _foreign(xs, outs, pos):

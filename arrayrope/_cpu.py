@@ -155,6 +155,17 @@ def _row_views_impl(x, o, xb, ob):
     return lambda x, o, xb, ob: (x[xb:], o[ob:])
 
 
+def _entry(positions, i):
+    """positions[i], or ``positions`` itself where it is a single int."""
+
+
+@overload(_entry)
+def _entry_impl(positions, i):
+    if isinstance(positions, types.Integer):
+        return lambda positions, i: positions
+    return lambda positions, i: positions[i]
+
+
 @overload(_load)
 def _load_impl(a, i):
     if a.dtype == types.int16:
@@ -447,21 +458,28 @@ def rotate_parallel(
 
 
 @njit(cache=_CACHE)
-def rotate_contiguous(x, o, d, pos, period, cos, sin, seg, half_style, inverse):
+def rotate_contiguous(x, o, d, positions, repeat, period, cos, sin, seg, half_style, inverse):
     """The small-input path, one thread: contiguous rows of ``d`` elements, row r at position
-    ``pos`` (``period`` 0) or ``r % period`` (positions 0..T-1 along axis -2). One position axis
-    only: the rotated pairs end where the last segment does. Few arguments, since each one costs
-    the call ~0.05-0.1 us of unboxing, a third of a decode step's budget for a dozen."""
+    ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one, which
+    is cheaper to hand over than an array). Returns False, having written nothing, where a
+    position is negative or past the table (the caller then takes the general path). One
+    position axis only: the rotated pairs end where the last segment does. Few arguments, since
+    each costs the call ~0.05-0.1 us of unboxing, a third of a decode step's budget for a dozen.
+    """
+    for i in range(period):
+        if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
+            return False
     rotary_dim = 2 * seg[seg.shape[0] - 1, 1]
     copy_tail = rotary_dim < d
     step = np.uint64(d)
     start = np.uint64(0)
-    for r in range(x.size // d):
-        p = pos if period == 0 else r % period
+    entry = 0
+    left = repeat
+    for _ in range(x.size // d):
         _row(
             x,
             o,
-            (p,),
+            (_entry(positions, entry),),
             start,
             start,
             0,
@@ -476,6 +494,13 @@ def rotate_contiguous(x, o, d, pos, period, cos, sin, seg, half_style, inverse):
             copy_tail,
         )
         start += step
+        left -= 1
+        if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
+            left = repeat
+            entry += 1
+            if entry == period:
+                entry = 0
+    return True
 
 
 @njit(cache=_CACHE)
@@ -533,27 +558,29 @@ def gather_tables(cos, sin, idx, pair_axis):
     return row_cos, row_sin
 
 
-def rotate_small(rope, x, pos, cos, sin, inverse):
-    """Rotate a small C-contiguous ``x`` into a new array at an int position (``pos``) or at
-    0..T-1 along axis -2 (``pos`` None): the decode and prefill shapes, with no geometry."""
+def rotate_small(rope, x, positions, repeat, period, cos, sin, inverse):
+    """Rotate a small C-contiguous ``x`` into a new array, row r at position
+    ``positions[(r // repeat) % period]``: the decode and prefill shapes, with no geometry.
+    None where the kernel refuses a position (see :func:`rotate_contiguous`)."""
     out = np.empty(x.shape, x.dtype)  # not empty_like: that costs twice as much here
     xf, of = x.reshape(-1), out.reshape(-1)  # views: both are C-contiguous
     if x.itemsize == 2:
         view = np.int16 if x.dtype == _F16 else np.uint16
         xf, of = xf.view(view), of.view(view)
-    rotate_contiguous(
+    done = rotate_contiguous(
         xf,
         of,
         x.shape[-1],
-        0 if pos is None else pos,
-        0 if pos is not None else x.shape[-2] if x.ndim > 1 else 1,
+        positions,
+        repeat,
+        period,
         cos,
         sin,
         rope._segments,
         rope._half_style,
         inverse,
     )
-    return out
+    return out if done else None
 
 
 def launch(rope, operands, cos, sin, inverse):

@@ -7,6 +7,7 @@ keeps its own Numba disk cache, so the first run compiles both.
 
     python bench/ab.py HEAD~3            # large tensors, multi-axis and decode rows
     python bench/ab.py main --quick      # fewer rounds
+    python bench/ab.py HEAD --only decode
 """
 
 import argparse
@@ -66,6 +67,12 @@ def cases(ar, rng_seed=0):
     at = np.array([5])
     found["decode RoPE.rotate(x, int)"] = (lambda: decode.rotate(step, 5), None)
     found["decode RoPE.rotate(x, array)"] = (lambda: decode.rotate(step, at), None)
+    batch = rng.standard_normal((8, 32, 1, 128)).astype(np.float32)
+    each = rng.integers(0, 4096, (8, 1, 1))
+    found["batched decode (8, 32, 1, 128), pos (8, 1, 1)"] = (
+        lambda: decode.rotate(batch, each),
+        None,
+    )
     return found
 
 
@@ -80,6 +87,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revision", help="git revision to compare against, e.g. HEAD~1")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--only", default="", help="only the cases whose name contains this")
     args = parser.parse_args()
     rounds = 3 if args.quick else 7
     import arrayrope as new
@@ -91,6 +99,8 @@ def main():
         print("| case | base | new | new / base |")
         print("|---|---:|---:|---:|")
         for name in versions["new"]:
+            if args.only not in name:
+                continue
             calls = {v: versions[v][name] for v in versions if name in versions[v]}
             if len(calls) < 2:
                 continue

@@ -185,12 +185,15 @@ def decode_row(repeats):
     x = np.random.default_rng(0).standard_normal((1, 32, 1, 128)).astype(np.float32)
     rope = ar.RoPE(128)
     pos = np.array([1234])
+    batch = np.random.default_rng(1).standard_normal((8, 32, 1, 128)).astype(np.float32)
+    each = np.arange(8).reshape(8, 1, 1) * 100 + 1000  # one position per sequence
     n = 2000
     results = {}
     for name, fn in {
         "ar.rotate(x, int)": lambda: ar.rotate(x, 1234),
         "RoPE.rotate(x, int)": lambda: rope.rotate(x, 1234),
         "RoPE.rotate(x, array)": lambda: rope.rotate(x, pos),
+        "batch of 8, pos (8, 1, 1)": lambda: rope.rotate(batch, each),
         "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
     }.items():
         fn()

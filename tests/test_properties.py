@@ -251,11 +251,61 @@ def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
     assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
 
 
+@st.composite
+def array_positions(draw, lead):
+    """Integer positions for a leading shape: one contiguous block of its axes varies, the
+    others broadcast (size 1, or dropped on the left), as decode and prefill pass them; or,
+    sometimes, a pattern the fast path leaves to the general one."""
+    n = len(lead)
+    first = draw(st.integers(0, n))
+    stop = draw(st.integers(first, n))
+    shape = [lead[k] if first <= k < stop else 1 for k in range(n)]
+    if draw(st.booleans()) and n >= 3:
+        shape[n - 2] = 1  # a broadcast axis inside the varying block: not the fast pattern
+    shape = shape[draw(st.integers(0, n)) :] if draw(st.booleans()) else shape
+    dtype = draw(st.sampled_from([np.int64, np.int32, np.uint16]))
+    top = draw(st.sampled_from([50, 4096, 2**31 - 1]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return np.random.default_rng(seed).integers(0, top, size=tuple(shape)).astype(dtype)
+
+
+@given(configs(), st.data(), st.booleans())
+def test_small_input_path_with_array_positions_matches_the_general_path(cfg, data, inverse):
+    _, x, kw = _setup(cfg)
+    pos = data.draw(array_positions(cfg["lead"]))
+    rope = ar.RoPE(cfg["d"], **kw)
+    fast = rope.rotate(x, pos, inverse=inverse)
+    general = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
+    np.testing.assert_array_equal(bits(fast), bits(general))
+    assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
+
+
 def test_small_input_path_is_taken():
     from arrayrope import _api
 
     rope = ar.RoPE(8)
     x = np.ones((2, 8), np.float32)
     assert _api.rotate_small(rope, x, 3, False) is not None
-    assert _api.rotate_small(rope, x, np.array([3]), False) is None  # array positions: general
+    assert _api.rotate_small(rope, x, np.array([3]), False) is not None
+    assert _api.rotate_small(rope, x, np.array([3, 4]), False) is not None
     assert _api.rotate_small(rope, x[:, ::-1], 3, False) is None  # not C-contiguous: general
+    batch = np.ones((2, 4, 1, 8), np.float32)  # (B, H, 1, d): batched decode
+    assert _api.rotate_small(rope, batch, np.array([[[5]], [[9]]]), False) is not None
+    assert _api.rotate_small(rope, batch, np.array([5, 9])[:, None, None], False) is not None
+    prefill = np.ones((2, 4, 3, 8), np.float32)
+    assert _api.rotate_small(rope, prefill, np.array([[[0, 1, 2]], [[5, 6, 7]]]), False) is None
+    assert _api.rotate_small(rope, x, np.array([-1, 2]), False) is None  # refused: general
+    assert _api.rotate_small(rope, x, np.array([10**6, 2]), False) is None  # past the table
+    assert _api.rotate_small(rope, x, np.array([1.5, 2.0]), False) is None  # real-valued
+
+
+def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
+    rope = ar.RoPE(8)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    with pytest.raises(ar.RopeValueError, match="non-negative"):
+        rope.rotate(x, np.array([[-1], [2]]))
+    far = np.array([[100_000], [7]])
+    assert_matches(rope.rotate(x, far), oracle(x, far), x)
+    from arrayrope import _api
+
+    assert _api.rotate_small(rope, x, far, False) is not None  # the cache has grown
