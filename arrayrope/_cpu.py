@@ -538,23 +538,37 @@ def _entries(idx):
     return count
 
 
-@njit(cache=_CACHE, parallel=True)
+@njit(inline="always")
+def _gather_row(cos, sin, idx, pair_axis, row_cos, row_sin, r):
+    for j in range(pair_axis.shape[0]):
+        p = idx[r, pair_axis[j]]
+        row_cos[r, j] = cos[p, j]
+        row_sin[r, j] = sin[p, j]
+
+
+@njit(cache=_CACHE)
 def gather_tables(cos, sin, idx, pair_axis):
     """Per-entry tables: row r holds, for every pair j, ``cos[idx[r, pair_axis[j]], j]``.
 
     For layouts whose pairs change position axis every pair or two: the rotation then reads one
     row per entry as one run. Entries are position tuples (tokens), shared by every head, so this
     costs a fraction of the rotation (Qwen3-VL, (4, 32, 2048, 128): 8192 entries for 1M rows).
+    One thread; :func:`gather_tables_parallel` for many entries.
     """
-    n = idx.shape[0]
-    pairs = pair_axis.shape[0]
-    row_cos = np.empty((n, pairs), dtype=cos.dtype)
-    row_sin = np.empty((n, pairs), dtype=sin.dtype)
-    for r in prange(n):
-        for j in range(pairs):
-            p = idx[r, pair_axis[j]]
-            row_cos[r, j] = cos[p, j]
-            row_sin[r, j] = sin[p, j]
+    row_cos = np.empty((idx.shape[0], pair_axis.shape[0]), dtype=cos.dtype)
+    row_sin = np.empty((idx.shape[0], pair_axis.shape[0]), dtype=sin.dtype)
+    for r in range(idx.shape[0]):
+        _gather_row(cos, sin, idx, pair_axis, row_cos, row_sin, r)
+    return row_cos, row_sin
+
+
+@njit(cache=_CACHE, parallel=True)
+def gather_tables_parallel(cos, sin, idx, pair_axis):
+    """:func:`gather_tables` on every thread."""
+    row_cos = np.empty((idx.shape[0], pair_axis.shape[0]), dtype=cos.dtype)
+    row_sin = np.empty((idx.shape[0], pair_axis.shape[0]), dtype=sin.dtype)
+    for r in prange(idx.shape[0]):
+        _gather_row(cos, sin, idx, pair_axis, row_cos, row_sin, r)
     return row_cos, row_sin
 
 
@@ -653,7 +667,10 @@ def _per_entry(rope, operands, cos, sin):
         if id(idx) not in entries_of:
             compact = idx[tuple(slice(0, 1) if s == 0 else slice(None) for s in idx.strides)]
             flat = np.ascontiguousarray(compact).reshape(-1, idx.shape[-1])
-            row_cos, row_sin = gather_tables(cos, sin, flat, rope._pair_axis)
+            # one thread for a few entries (a decode step), as for the rotation itself
+            many = flat.shape[0] * rope._pair_axis.shape[0] >= SERIAL_BELOW
+            gather = gather_tables_parallel if many else gather_tables
+            row_cos, row_sin = gather(cos, sin, flat, rope._pair_axis)
             cos_parts.append(row_cos)
             sin_parts.append(row_sin)
             entries = np.arange(count, count + flat.shape[0], dtype=np.int64)

@@ -114,8 +114,9 @@ def test_qwen3_vl_per_entry_tables_every_path(rng, dtype):
     assert_matches(inplace, qwen3_oracle(q, pos, sections, 5e6), q)
     real = pos + rng.random(pos.shape)
     assert_matches(rope.rotate(q, real), qwen3_oracle(q, real, sections, 5e6), q)
-    big = rng.standard_normal((2, 16, 300, 128)).astype(dtype)  # past the serial threshold
-    big_pos = rng.integers(0, 4096, size=(2, 1, 300, 3))
+    # past the serial thresholds, of the rotation and of the gather (1200 entries x 64 pairs)
+    big = rng.standard_normal((2, 8, 600, 128)).astype(dtype)
+    big_pos = rng.integers(0, 4096, size=(2, 1, 600, 3))
     assert_matches(rope.rotate(big, big_pos), qwen3_oracle(big, big_pos, sections, 5e6), big)
 
 
