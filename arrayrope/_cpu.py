@@ -3,7 +3,9 @@
 One row body serves every dtype and pair style. The dtype of the flat views picks the element
 conversion at compile time: float32 and float64 are read as they are; float16 travels as int16
 bits and bfloat16 as uint16 bits (Numba has no CPU half type) and both are converted in
-registers. Every kernel is compiled once per dtype and cached on disk.
+registers. In place is a compile-time case too (x passed as None). Every kernel is compiled once
+per such case and cached on disk. Multi-axis layouts with many runs of pairs, or whose positions
+are shared by many rows, are rotated from per-entry tables (see gather_tables).
 
 Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand (q, k):
   g[t, 0, :L] leading sizes        g[t, 0, L] element stride of the axes dimension of ``idx``
@@ -540,6 +542,7 @@ def _entries(idx):
 
 @njit(inline="always")
 def _gather_row(cos, sin, idx, pair_axis, row_cos, row_sin, r):
+    """Fill row r of the per-entry tables."""
     for j in range(pair_axis.shape[0]):
         p = idx[r, pair_axis[j]]
         row_cos[r, j] = cos[p, j]
