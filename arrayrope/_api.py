@@ -358,8 +358,8 @@ def _row_positions(pos, lead):
     array, repeat, period): row r sits at ``flat[(r // repeat) % period]``. None where ``pos``
     broadcasts in another pattern (across an axis in the middle of its own), or not at all.
 
-    Covers what decode and prefill pass: (T,) against (B, H, T), (B, 1, 1) or (B, 1) against
-    (B, H, 1) or (B, T, H), one position for every row, and no broadcasting at all.
+    Covers what decode and prefill pass: (T,) against (B, H, T); (T, 1) or (B, T, 1) against
+    (B, T, H); (B, 1, 1) against (B, H, 1); one position for every row; no broadcasting at all.
     """
     offset = len(lead) - pos.ndim
     if offset < 0:

@@ -114,12 +114,11 @@ def main():
                 for v, (fn, _) in calls.items():
                     samples[v].append(min(timed(fn, repeat) for _ in range(2)))
             median = {v: float(np.median(s)) for v, s in samples.items()}
+            ratio = median["base"] / median["new"]
             if nbytes:
                 text = {v: f"{nbytes / t / 1e9:.1f} GB/s" for v, t in median.items()}
-                ratio = median["base"] / median["new"]
             else:
                 text = {v: f"{t * 1e6:.2f} us" for v, t in median.items()}
-                ratio = median["base"] / median["new"]
             print(f"| {name} | {text['base']} | {text['new']} | {ratio:.2f}x |", flush=True)
 
 
