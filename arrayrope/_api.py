@@ -388,29 +388,26 @@ def rotate_small(rope, x, pos, inverse):
     step, where the general path's layout bookkeeping costs more than the rotation. Anything
     else, bad input included, returns None and goes the general way, which checks it; so does a
     position that is negative or past the cached table, which the kernel finds before writing.
-    Same kernel body, same results.
+    Same row body, same results. Every check here is ordered and written for its cost: the whole
+    Python side of a decode step is budgeted at about a microsecond.
     """
-    global _cpu
-    if (
-        type(x) is not np.ndarray
-        or type(inverse) is not bool
-        or not x.flags.c_contiguous
-        or x.ndim == 0
-        or x.shape[-1] != rope.head_dim
-    ):
+    if type(x) is not np.ndarray or type(inverse) is not bool:
         return None
-    if pos is None:
-        if x.ndim == 1:
-            positions, repeat, period, high = 0, 1, 1, 0
-        else:
-            positions = _default_positions(rope, [x.shape[:-1]])[0].reshape(-1)
-            repeat, period, high = 1, x.shape[-2], x.shape[-2] - 1
-    elif type(pos) is int:
+    shape = x.shape
+    if not shape or shape[-1] != rope.head_dim or not x.flags.c_contiguous:
+        return None
+    if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
             return None
         positions, repeat, period, high = pos, 1, 1, pos
+    elif pos is None:
+        if len(shape) == 1:
+            positions, repeat, period, high = 0, 1, 1, 0
+        else:
+            positions = _default_positions(rope, [shape[:-1]])[0].reshape(-1)
+            repeat, period, high = 1, shape[-2], shape[-2] - 1
     elif type(pos) is np.ndarray and pos.dtype.kind in "iu":
-        found = _row_positions(pos, x.shape[:-1])
+        found = _row_positions(pos, shape[:-1])
         if found is None:
             return None
         positions, repeat, period = found
@@ -419,20 +416,38 @@ def rotate_small(rope, x, pos, inverse):
         high = 0  # unknown here: the kernel refuses positions past the table
     else:
         return None
-    if _cpu is None:
-        from . import _cpu
+    plan = rope._plans.get(x.dtype)
+    if plan is None or plan[2] <= high:
+        plan = _small_plan(rope, x.dtype, high)
+        if plan is None:
+            return None
     if x.size >= _cpu.SERIAL_BELOW:
         return None
-    dtype = _table_dtype(x.dtype)
-    if dtype is None:
+    rotated = _cpu.rotate_small(x, positions, repeat, period, plan, inverse)
+    if rotated is None:  # refused: the general path may grow the cache, so fetch it anew
+        rope._plans.pop(x.dtype, None)
+    return rotated
+
+
+def _small_plan(rope, dtype, high):
+    """What the fast path needs for an ``x`` of ``dtype``, kept in ``rope._plans``: (cos, sin,
+    cached rows, the integer view dtype of a half type or None, rotary_dim, half style). None
+    for a dtype the kernels do not take, or a position past the cache's cap."""
+    global _cpu
+    if _cpu is None:
+        from . import _cpu
+    table_dtype = _table_dtype(dtype)
+    if table_dtype is None:
         return None
-    cache = rope._default.tables
-    tables = cache._tables.get((None, dtype))
-    if tables is None or tables[0].shape[0] <= high:
-        tables = cache.cached(np, None, dtype, max(high, 0))
-        if tables is None:
-            return None
-    return _cpu.rotate_small(rope, x, positions, repeat, period, tables[0], tables[1], inverse)
+    tables = rope._default.tables.cached(np, None, table_dtype, high)
+    if tables is None:
+        return None
+    view = None
+    if dtype.itemsize == 2:
+        view = np.dtype(np.int16 if dtype == np.float16 else np.uint16)
+    plan = (*tables, tables[0].shape[0], view, rope.rotary_dim, rope._half_style)
+    rope._plans[dtype] = plan
+    return plan
 
 
 def _foreign(xs, outs, pos):
@@ -635,6 +650,11 @@ def _feature_size(name, x):
     return shape[-1]
 
 
+# The shared RoPEs without scaling, by (x.shape[-1:], base, style, rotary_dim): what
+# rotate's fast path looks up (lru_cache's call costs more than the rest of its Python side).
+_small_ropes = {}
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_rope(head_dim, base, style, rotary_dim, scaling):
     from .rope import RoPE
@@ -645,7 +665,10 @@ def _cached_rope(head_dim, base, style, rotary_dim, scaling):
 def shared_rope(head_dim, base, style, rotary_dim, scaling):
     """The one RoPE per configuration that the module-level functions share."""
     try:
-        return _cached_rope(head_dim, base, style, rotary_dim, scaling)
+        rope = _cached_rope(head_dim, base, style, rotary_dim, scaling)
+        if scaling is None and rope._small and len(_small_ropes) < 64:
+            _small_ropes[(rope._feature_shape, base, style, rotary_dim)] = rope
+        return rope
     except RopeError:
         raise
     except TypeError:  # an unhashable argument: let the constructor name it
@@ -672,6 +695,16 @@ def rotate(
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
     ``x.shape[-1]``; calls with one configuration share one RoPE and its cache.
     """
+    if out is None and scaling is None and seq_len is None and type(x) is np.ndarray:
+        # A decode step's way: the shared RoPE by one dict lookup, then the fast path.
+        try:
+            rope = _small_ropes.get((x.shape[-1:], base, style, rotary_dim))
+        except TypeError:  # an unhashable argument: the general path names it
+            rope = None
+        if rope is not None and (backend == "auto" or backend == "numba"):
+            small = rotate_small(rope, x, pos, inverse)
+            if small is not None:
+                return small
     rope = shared_rope(_feature_size("x", x), base, style, rotary_dim, scaling)
     return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
 

@@ -233,6 +233,24 @@ def _interleaved_pairs(x, o, n, cos, sin, inverse):
 
 
 @njit(inline="always")
+def _rotate_pairs(x, o, half, n, cos, sin, inverse):
+    """n pairs: (j, j + half) where half > 0 (the "half" layout), else (2j, 2j + 1).
+
+    Each layout and direction is its own loop, with ``inverse`` a constant in it: a runtime
+    sign select left in the loop cost a decode step's rotation about a quarter of its time.
+    """
+    if half:
+        if inverse:
+            _pairs(x, o, half, n, cos, sin, True)
+        else:
+            _pairs(x, o, half, n, cos, sin, False)
+    elif inverse:
+        _interleaved_pairs(x, o, n, cos, sin, True)
+    else:
+        _interleaved_pairs(x, o, n, cos, sin, False)
+
+
+@njit(inline="always")
 def _row(
     x, o, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style, inverse, copy_tail
 ):
@@ -245,10 +263,10 @@ def _row(
         first, stop = seg[s, 0], seg[s, 1]
         if half_style:
             xv, ov = _row_views(x, o, xb + np.uint64(first), ob + np.uint64(first))
-            _pairs(xv, ov, half, stop - first, cos[p, first:], sin[p, first:], inverse)
+            _rotate_pairs(xv, ov, half, stop - first, cos[p, first:], sin[p, first:], inverse)
         else:
             xv, ov = _row_views(x, o, xb + np.uint64(2 * first), ob + np.uint64(2 * first))
-            _interleaved_pairs(xv, ov, stop - first, cos[p, first:], sin[p, first:], inverse)
+            _rotate_pairs(xv, ov, 0, stop - first, cos[p, first:], sin[p, first:], inverse)
     if copy_tail:
         xv, ov = _row_views(x, o, xb + np.uint64(rotary_dim), ob + np.uint64(rotary_dim))
         for j in range(d - rotary_dim):
@@ -460,41 +478,31 @@ def rotate_parallel(
 
 
 @njit(cache=_CACHE)
-def rotate_contiguous(x, o, d, positions, repeat, period, cos, sin, seg, half_style, inverse):
-    """The small-input path, one thread: contiguous rows of ``d`` elements, row r at position
-    ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one, which
-    is cheaper to hand over than an array). Returns False, having written nothing, where a
-    position is negative or past the table (the caller then takes the general path). One
-    position axis only: the rotated pairs end where the last segment does. Few arguments, since
-    each costs the call ~0.05-0.1 us of unboxing, a third of a decode step's budget for a dozen.
+def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse):
+    """The small-input path, one thread: the C-contiguous rows of ``x`` (any number of axes,
+    taken as they are: a reshape in Python costs more than the rows of a decode step), row r at
+    position ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes
+    one, which is cheaper to hand over than an array). Returns False, having written nothing,
+    where a position is negative or past the table (the caller then takes the general path).
+    One position axis only. Few arguments, since each costs the call ~0.02-0.06 us of unboxing.
     """
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
-    rotary_dim = 2 * seg[seg.shape[0] - 1, 1]
-    copy_tail = rotary_dim < d
+    xf = x.reshape(x.size)
+    of = o.reshape(o.size)
+    d = x.shape[x.ndim - 1]
+    n = rotary_dim // 2
     step = np.uint64(d)
     start = np.uint64(0)
     entry = 0
     left = repeat
     for _ in range(x.size // d):
-        _row(
-            x,
-            o,
-            (_entry(positions, entry),),
-            start,
-            start,
-            0,
-            0,
-            cos,
-            sin,
-            seg,
-            rotary_dim,
-            d,
-            half_style,
-            inverse,
-            copy_tail,
-        )
+        p = _entry(positions, entry)
+        xv, ov = xf[start:], of[start:]
+        _rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
+        for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
+            ov[np.uint64(j)] = xv[np.uint64(j)]
         start += step
         left -= 1
         if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
@@ -575,28 +583,30 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
     return row_cos, row_sin
 
 
-def rotate_small(rope, x, positions, repeat, period, cos, sin, inverse):
+def rotate_small(x, positions, repeat, period, plan, inverse):
     """Rotate a small C-contiguous ``x`` into a new array, row r at position
     ``positions[(r // repeat) % period]``: the decode and prefill shapes, with no geometry.
-    None where the kernel refuses a position (see :func:`rotate_contiguous`)."""
+    ``plan`` is (cos, sin, rows, half-type view dtype or None, rotary_dim, half style). None
+    where the kernel refuses a position (see :func:`rotate_rows`)."""
+    cos, sin, _, view, rotary_dim, half_style = plan
     out = np.empty(x.shape, x.dtype)  # not empty_like: that costs twice as much here
-    xf, of = x.reshape(-1), out.reshape(-1)  # views: both are C-contiguous
-    if x.itemsize == 2:
-        view = np.int16 if x.dtype == _F16 else np.uint16
-        xf, of = xf.view(view), of.view(view)
-    done = rotate_contiguous(
-        xf,
-        of,
-        x.shape[-1],
-        positions,
-        repeat,
-        period,
-        cos,
-        sin,
-        rope._segments,
-        rope._half_style,
-        inverse,
-    )
+    if view is None:
+        done = rotate_rows(
+            x, out, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse
+        )
+    else:
+        done = rotate_rows(
+            x.view(view),
+            out.view(view),
+            positions,
+            repeat,
+            period,
+            cos,
+            sin,
+            rotary_dim,
+            half_style,
+            inverse,
+        )
     return out if done else None
 
 

@@ -170,6 +170,7 @@ class RoPE:
                 )
             scaling.check(blocks)
         self.head_dim = head_dim
+        self._feature_shape = (head_dim,)  # x.shape[-1:] of the arrays it rotates
         self.rotary_dim = rotary_dim
         self.style = style
         self._half_style = style == "half"
@@ -181,6 +182,7 @@ class RoPE:
         self._segments = _segments(pair_axis)
         # Decode and prefill calls may take the fast path (see _api.rotate_small).
         self._small = self.n_axes == 1 and (scaling is None or not scaling.dynamic)
+        self._plans = {}  # the fast path's tables and settings per dtype (see _api._small_plan)
         self._sets = {}
         self._lock = threading.Lock()
         self._default = self._freq_set(None)

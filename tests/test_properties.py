@@ -249,6 +249,9 @@ def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
     general = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
     np.testing.assert_array_equal(bits(fast), bits(general))
     assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
+    ar.rotate(x, 0, **kw)  # the module-level function's shared RoPE exists from here on
+    module = ar.rotate(x, pos, inverse=inverse, **kw)
+    np.testing.assert_array_equal(bits(module), bits(general))
 
 
 @st.composite
@@ -297,6 +300,24 @@ def test_small_input_path_is_taken():
     assert _api.rotate_small(rope, x, np.array([-1, 2]), False) is None  # refused: general
     assert _api.rotate_small(rope, x, np.array([10**6, 2]), False) is None  # past the table
     assert _api.rotate_small(rope, x, np.array([1.5, 2.0]), False) is None  # real-valued
+
+
+def test_module_level_rotate_takes_the_fast_path(rng, monkeypatch):
+    from arrayrope import _api
+
+    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
+    rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
+    assert _api._small_ropes[((16,), 500.0, "interleaved", None)] is rope
+
+    def general(*args):
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(_api, "apply", general)
+    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
+    np.testing.assert_array_equal(rope.rotate(x, 9), expected)
+    with pytest.raises(AssertionError, match="general path"):  # out= is the general path's
+        ar.rotate(x, 9, base=500.0, out=np.empty_like(x))
 
 
 def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
