@@ -379,19 +379,59 @@ def _row_positions(pos, lead):
     return pos.reshape(-1), repeat, period
 
 
-def rotate_small(rope, x, pos, inverse):
-    """The decode and prefill fast path, or None where a call needs the general one.
+def rotate_small(rope, xs, pos, inverse, outs):
+    """The decode and prefill fast path: a tuple of results, or None where a call needs the
+    general path.
 
-    It takes a small C-contiguous NumPy ``x``, and positions as None, a Python int or an integer
-    NumPy array in a common broadcast pattern (see :func:`_row_positions`), for a RoPE with one
-    position axis and no length-dependent scaling (``rope._small``): the shapes of a decode
-    step, where the general path's layout bookkeeping costs more than the rotation. Anything
-    else, bad input included, returns None and goes the general way, which checks it; so does a
-    position that is negative or past the cached table, which the kernel finds before writing.
-    Same row body, same results. Every check here is ordered and written for its cost: the whole
-    Python side of a decode step is budgeted at about a microsecond.
+    It takes small C-contiguous NumPy operands ``xs`` (x, or q and k) of one dtype, with
+    ``outs`` None or as many C-contiguous arrays of their shapes and dtype, each its own operand
+    (in place) or sharing no memory with any other; and positions as None, a Python int or an
+    integer NumPy array in a common broadcast pattern (see :func:`_row_positions`); for a RoPE
+    with one position axis and no length-dependent scaling (``rope._small``). These are the
+    shapes of a decode step, where the general path's layout bookkeeping costs more than the
+    rotation. Anything else, bad input included, returns None and goes the general way, which
+    checks it; so does a position that is negative or past the cached table, which the kernel
+    finds before writing. Same row body, same results. Every check here is ordered and written
+    for its cost: the whole Python side of a decode step is budgeted at about a microsecond.
     """
-    if type(x) is not np.ndarray or type(inverse) is not bool:
+    if type(inverse) is not bool:
+        return None
+    x = xs[0]
+    rows = _small_rows(rope, x, pos)
+    if rows is None:
+        return None
+    high, size = rows[3], x.size
+    if len(xs) == 2:
+        k = xs[1]
+        k_rows = _small_rows(rope, k, pos)
+        if k_rows is None or k.dtype != x.dtype:
+            return None
+        high, size = max(high, k_rows[3]), size + k.size
+    if outs is not None and not _small_outs(xs, outs):
+        return None
+    plan = rope._plans.get(x.dtype)
+    if plan is None or plan[2] <= high:
+        plan = _small_plan(rope, x.dtype, high)
+        if plan is None:
+            return None
+    if size >= _cpu.SERIAL_BELOW:
+        return None
+    rotated = _cpu.rotate_small(x, rows, plan, inverse, None if outs is None else outs[0])
+    if rotated is None:
+        # Refused, before any write: the general path may grow the cache, so fetch it anew.
+        rope._plans.pop(x.dtype, None)
+        return None
+    if len(xs) == 1:
+        return (rotated,)
+    # k takes the position values q took, so the kernel cannot refuse it
+    return rotated, _cpu.rotate_small(k, k_rows, plan, inverse, None if outs is None else outs[1])
+
+
+def _small_rows(rope, x, pos):
+    """For an ``x`` the fast path takes (a C-contiguous NumPy array of ``rope``'s head_dim),
+    (positions, repeat, period, highest known position) of its rows (see
+    :func:`_row_positions`); otherwise None."""
+    if type(x) is not np.ndarray:
         return None
     shape = x.shape
     if not shape or shape[-1] != rope.head_dim or not x.flags.c_contiguous:
@@ -399,34 +439,43 @@ def rotate_small(rope, x, pos, inverse):
     if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
             return None
-        positions, repeat, period, high = pos, 1, 1, pos
-    elif pos is None:
+        return pos, 1, 1, pos
+    if pos is None:
         if len(shape) == 1:
-            positions, repeat, period, high = 0, 1, 1, 0
-        else:
-            positions = _default_positions(rope, [shape[:-1]])[0].reshape(-1)
-            repeat, period, high = 1, shape[-2], shape[-2] - 1
-    elif type(pos) is np.ndarray and pos.dtype.kind in "iu":
+            return 0, 1, 1, 0
+        length = shape[-2]
+        return _default_positions(rope, [shape[:-1]])[0].reshape(-1), 1, length, length - 1
+    if type(pos) is np.ndarray and pos.dtype.kind in "iu":
         found = _row_positions(pos, shape[:-1])
         if found is None:
             return None
         positions, repeat, period = found
         if positions.dtype != np.int64:
             positions = positions.astype(np.int64)  # a wrapped uint64 turns negative: refused
-        high = 0  # unknown here: the kernel refuses positions past the table
-    else:
-        return None
-    plan = rope._plans.get(x.dtype)
-    if plan is None or plan[2] <= high:
-        plan = _small_plan(rope, x.dtype, high)
-        if plan is None:
-            return None
-    if x.size >= _cpu.SERIAL_BELOW:
-        return None
-    rotated = _cpu.rotate_small(x, positions, repeat, period, plan, inverse)
-    if rotated is None:  # refused: the general path may grow the cache, so fetch it anew
-        rope._plans.pop(x.dtype, None)
-    return rotated
+        return positions, repeat, period, 0  # the highest is left to the kernel, which refuses
+    return None
+
+
+def _small_outs(xs, outs):
+    """Whether ``outs`` suit the fast path: C-contiguous, writeable, the shape and dtype of
+    their operands, and each one its operand itself (in place) or sharing no memory with any
+    other array of the call (a bounds test: what might overlap goes to the general path)."""
+    if len(outs) != len(xs):
+        return False
+    for out, x in zip(outs, xs):
+        if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape:
+            return False
+        flags = out.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False
+        if out is not x and np.may_share_memory(out, x):
+            return False
+    if len(xs) == 2:
+        (q, k), (q_out, k_out) = xs, outs
+        share = np.may_share_memory
+        if share(q_out, k) or share(k_out, q) or share(q_out, k_out):
+            return False
+    return True
 
 
 def _small_plan(rope, dtype, high):
@@ -695,16 +744,16 @@ def rotate(
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
     ``x.shape[-1]``; calls with one configuration share one RoPE and its cache.
     """
-    if out is None and scaling is None and seq_len is None and type(x) is np.ndarray:
+    if scaling is None and seq_len is None and type(x) is np.ndarray:
         # A decode step's way: the shared RoPE by one dict lookup, then the fast path.
         try:
             rope = _small_ropes.get((x.shape[-1:], base, style, rotary_dim))
         except TypeError:  # an unhashable argument: the general path names it
             rope = None
         if rope is not None and (backend == "auto" or backend == "numba"):
-            small = rotate_small(rope, x, pos, inverse)
+            small = rotate_small(rope, (x,), pos, inverse, None if out is None else (out,))
             if small is not None:
-                return small
+                return small[0]
     rope = shared_rope(_feature_size("x", x), base, style, rotary_dim, scaling)
     return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
 

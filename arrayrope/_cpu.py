@@ -157,6 +157,17 @@ def _row_views_impl(x, o, xb, ob):
     return lambda x, o, xb, ob: (x[xb:], o[ob:])
 
 
+def _flat(x):
+    """The C-contiguous ``x`` as one axis (a view), or None where ``x`` is None."""
+
+
+@overload(_flat)
+def _flat_impl(x):
+    if isinstance(x, types.NoneType):
+        return lambda x: None
+    return lambda x: x.reshape(x.size)
+
+
 def _entry(positions, i):
     """positions[i], or ``positions`` itself where it is a single int."""
 
@@ -479,27 +490,28 @@ def rotate_parallel(
 
 @njit(cache=_CACHE)
 def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse):
-    """The small-input path, one thread: the C-contiguous rows of ``x`` (any number of axes,
-    taken as they are: a reshape in Python costs more than the rows of a decode step), row r at
-    position ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes
-    one, which is cheaper to hand over than an array). Returns False, having written nothing,
-    where a position is negative or past the table (the caller then takes the general path).
-    One position axis only. Few arguments, since each costs the call ~0.02-0.06 us of unboxing.
+    """The small-input path, one thread: the C-contiguous rows of ``x`` into those of ``o``
+    (``x`` None: in place), any number of axes taken as they are (a reshape in Python costs
+    more than the rows of a decode step), row r at position
+    ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one,
+    which is cheaper to hand over than an array). Returns False, having written nothing, where
+    a position is negative or past the table (the caller then takes the general path). One
+    position axis only. Few arguments, since each costs the call ~0.02-0.06 us of unboxing.
     """
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
-    xf = x.reshape(x.size)
+    xf = _flat(x)
     of = o.reshape(o.size)
-    d = x.shape[x.ndim - 1]
+    d = o.shape[o.ndim - 1]
     n = rotary_dim // 2
     step = np.uint64(d)
     start = np.uint64(0)
     entry = 0
     left = repeat
-    for _ in range(x.size // d):
+    for _ in range(o.size // d):
         p = _entry(positions, entry)
-        xv, ov = xf[start:], of[start:]
+        xv, ov = _row_views(xf, of, start, start)
         _rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
         for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
             ov[np.uint64(j)] = xv[np.uint64(j)]
@@ -583,30 +595,26 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
     return row_cos, row_sin
 
 
-def rotate_small(x, positions, repeat, period, plan, inverse):
-    """Rotate a small C-contiguous ``x`` into a new array, row r at position
-    ``positions[(r // repeat) % period]``: the decode and prefill shapes, with no geometry.
-    ``plan`` is (cos, sin, rows, half-type view dtype or None, rotary_dim, half style). None
-    where the kernel refuses a position (see :func:`rotate_rows`)."""
+def rotate_small(x, rows, plan, inverse, out):
+    """Rotate a small C-contiguous ``x`` into ``out`` (a new array where None; ``x`` itself in
+    place), row r at position ``positions[(r // repeat) % period]`` where ``rows`` is
+    (positions, repeat, period, _): the decode and prefill shapes, with no geometry. ``plan`` is
+    (cos, sin, cached rows, half-type view dtype or None, rotary_dim, half style). Returns
+    ``out``, or None where the kernel refuses a position (see :func:`rotate_rows`), having
+    written nothing."""
+    positions, repeat, period, _ = rows
     cos, sin, _, view, rotary_dim, half_style = plan
-    out = np.empty(x.shape, x.dtype)  # not empty_like: that costs twice as much here
-    if view is None:
-        done = rotate_rows(
-            x, out, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse
-        )
+    if out is None:
+        out = np.empty(x.shape, x.dtype)  # not empty_like: that costs twice as much here
+    source = None if out is x else x  # in place is the kernel's compile-time case
+    if view is not None:
+        source = None if source is None else source.view(view)
+        target = out.view(view)
     else:
-        done = rotate_rows(
-            x.view(view),
-            out.view(view),
-            positions,
-            repeat,
-            period,
-            cos,
-            sin,
-            rotary_dim,
-            half_style,
-            inverse,
-        )
+        target = out
+    done = rotate_rows(
+        source, target, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse
+    )
     return out if done else None
 
 

@@ -402,13 +402,12 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        if out is None and self._small and (backend == "auto" or backend == "numba"):
-            small = _api.rotate_small(self, x, pos, inverse)
+        outs = None if out is None else (out,)
+        if self._small and (backend == "auto" or backend == "numba"):
+            small = _api.rotate_small(self, (x,), pos, inverse, outs)
             if small is not None:
-                return small
-        return _api.apply(
-            self, (x,), pos, inverse, None if out is None else (out,), backend, seq_len
-        )[0]
+                return small[0]
+        return _api.apply(self, (x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
         """Rotate queries and keys by the same positions in one pass.
@@ -424,6 +423,10 @@ class RoPE:
                     f"out must be None or a pair (q_out, k_out), got {type(out).__name__}"
                 )
             out = tuple(out)
+        if self._small and (backend == "auto" or backend == "numba"):
+            small = _api.rotate_small(self, (q, k), pos, inverse, out)
+            if small is not None:
+                return tuple(small)
         return _api.apply(self, (q, k), pos, inverse, out, backend, seq_len)
 
     def cos_sin(self, pos, like=None, *, seq_len=None):

@@ -67,6 +67,12 @@ def cases(ar, rng_seed=0):
     at = np.array([5])
     found["decode RoPE.rotate(x, int)"] = (lambda: decode.rotate(step, 5), None)
     found["decode arrayrope.rotate(x, int)"] = (lambda: ar.rotate(step, 5), None)
+    k_step = rng.standard_normal((1, 8, 1, 128)).astype(np.float32)
+    found["decode arrayrope.rotate_qk(q, k, int), 32 and 8 heads"] = (
+        lambda: ar.rotate_qk(step, k_step, 5),
+        None,
+    )
+    found["decode arrayrope.rotate(x, int, out=x)"] = (lambda: ar.rotate(step, 5, out=step), None)
     half_step = step.astype(np.float16)
     found["decode float16 arrayrope.rotate(x, int)"] = (lambda: ar.rotate(half_step, 5), None)
     found["decode RoPE.rotate(x, array)"] = (lambda: decode.rotate(step, at), None)

@@ -239,19 +239,42 @@ def test_float32_is_exact_at_large_positions(m):
     assert err <= 4 * ulp, f"position {m}: error {err:.3g} is {err / ulp:.1f} float32 ulps"
 
 
+def _general(rope, xs, pos, inverse):
+    """The general path's results (poisoned outputs, so that unwritten elements show)."""
+    from arrayrope import _api
+
+    outs = tuple(poisoned(x.shape, x.dtype) for x in xs)
+    return _api.apply(rope, tuple(xs), pos, inverse, outs, "numba", None)
+
+
+def _fast_path_agrees(rope, x, k, pos, inverse, kw):
+    """Every fast-path call on x (and k) matches the general path bit for bit."""
+    (general,) = _general(rope, (x,), pos, inverse)
+    new = rope.rotate(x, pos, inverse=inverse)
+    given_out = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
+    inplace = x.copy()
+    assert rope.rotate(inplace, pos, inverse=inverse, out=inplace) is inplace
+    for result in (new, given_out, inplace):
+        np.testing.assert_array_equal(bits(result), bits(general))
+    assert_matches(new, oracle(x, pos, inverse=inverse, **kw), x)
+    ar.rotate(x, 0, **kw)  # the module-level function's shared RoPE exists from here on
+    np.testing.assert_array_equal(bits(ar.rotate(x, pos, inverse=inverse, **kw)), bits(general))
+    qk_general = _general(rope, (x, k), pos, inverse)
+    q_new, k_new = rope.rotate_qk(x, k, pos, inverse=inverse)
+    q_in, k_in = x.copy(), k.copy()
+    rope.rotate_qk(q_in, k_in, pos, inverse=inverse, out=(q_in, k_in))
+    for q_result, k_result in ((q_new, k_new), (q_in, k_in)):
+        np.testing.assert_array_equal(bits(q_result), bits(qk_general[0]))
+        np.testing.assert_array_equal(bits(k_result), bits(qk_general[1]))
+
+
 @given(configs(), st.one_of(st.none(), st.integers(0, 2**31 - 1)), st.booleans())
 def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
-    # rotate without out= on a small C-contiguous array at an int (or default) position takes
-    # the fast path; with out= it takes the general one. They must agree bit for bit.
-    _, x, kw = _setup(cfg)
-    rope = ar.RoPE(cfg["d"], **kw)
-    fast = rope.rotate(x, pos, inverse=inverse)
-    general = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
-    np.testing.assert_array_equal(bits(fast), bits(general))
-    assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
-    ar.rotate(x, 0, **kw)  # the module-level function's shared RoPE exists from here on
-    module = ar.rotate(x, pos, inverse=inverse, **kw)
-    np.testing.assert_array_equal(bits(module), bits(general))
+    # rotate and rotate_qk on small C-contiguous arrays at an int (or default) position take
+    # the fast path, allocating, into out= or in place. They must match the general path.
+    rng, x, kw = _setup(cfg)
+    k = random_array(rng, x.shape, x.dtype)
+    _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
 
 
 @st.composite
@@ -274,50 +297,48 @@ def array_positions(draw, lead):
 
 @given(configs(), st.data(), st.booleans())
 def test_small_input_path_with_array_positions_matches_the_general_path(cfg, data, inverse):
-    _, x, kw = _setup(cfg)
+    rng, x, kw = _setup(cfg)
+    k = random_array(rng, x.shape, x.dtype)
     pos = data.draw(array_positions(cfg["lead"]))
-    rope = ar.RoPE(cfg["d"], **kw)
-    fast = rope.rotate(x, pos, inverse=inverse)
-    general = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
-    np.testing.assert_array_equal(bits(fast), bits(general))
-    assert_matches(fast, oracle(x, pos, inverse=inverse, **kw), x)
+    _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
 
 
 def test_small_input_path_is_taken():
     from arrayrope import _api
 
     rope = ar.RoPE(8)
+
+    def fast(xs, pos, outs=None):
+        return _api.rotate_small(rope, xs, pos, False, outs) is not None
+
     x = np.ones((2, 8), np.float32)
-    assert _api.rotate_small(rope, x, 3, False) is not None
-    assert _api.rotate_small(rope, x, np.array([3]), False) is not None
-    assert _api.rotate_small(rope, x, np.array([3, 4]), False) is not None
-    assert _api.rotate_small(rope, x[:, ::-1], 3, False) is None  # not C-contiguous: general
+    assert fast((x,), 3)
+    assert fast((x,), np.array([3]))
+    assert fast((x,), np.array([3, 4]))
+    assert not fast((x[:, ::-1],), 3)  # not C-contiguous: general
     batch = np.ones((2, 4, 1, 8), np.float32)  # (B, H, 1, d): batched decode
-    assert _api.rotate_small(rope, batch, np.array([[[5]], [[9]]]), False) is not None
-    assert _api.rotate_small(rope, batch, np.array([5, 9])[:, None, None], False) is not None
+    assert fast((batch,), np.array([[[5]], [[9]]]))
+    assert fast((batch,), np.array([5, 9])[:, None, None])
     prefill = np.ones((2, 4, 3, 8), np.float32)
-    assert _api.rotate_small(rope, prefill, np.array([[[0, 1, 2]], [[5, 6, 7]]]), False) is None
-    assert _api.rotate_small(rope, x, np.array([-1, 2]), False) is None  # refused: general
-    assert _api.rotate_small(rope, x, np.array([10**6, 2]), False) is None  # past the table
-    assert _api.rotate_small(rope, x, np.array([1.5, 2.0]), False) is None  # real-valued
-
-
-def test_module_level_rotate_takes_the_fast_path(rng, monkeypatch):
-    from arrayrope import _api
-
-    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
-    expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
-    rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
-    assert _api._small_ropes[((16,), 500.0, "interleaved", None)] is rope
-
-    def general(*args):
-        raise AssertionError("the general path was taken")
-
-    monkeypatch.setattr(_api, "apply", general)
-    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
-    np.testing.assert_array_equal(rope.rotate(x, 9), expected)
-    with pytest.raises(AssertionError, match="general path"):  # out= is the general path's
-        ar.rotate(x, 9, base=500.0, out=np.empty_like(x))
+    assert not fast((prefill,), np.array([[[0, 1, 2]], [[5, 6, 7]]]))  # (B, 1, T): general
+    assert not fast((x,), np.array([-1, 2]))  # refused: general
+    assert not fast((x,), np.array([10**6, 2]))  # past the table
+    assert not fast((x,), np.array([1.5, 2.0]))  # real-valued
+    # out= and in place; what might overlap, or is read-only, goes the general way
+    assert fast((x,), 3, (np.empty_like(x),))
+    assert fast((x,), 3, (x,))
+    assert not fast((x,), 3, (x[::-1],))
+    frozen = np.empty_like(x)
+    frozen.flags.writeable = False
+    assert not fast((x,), 3, (frozen,))
+    # q and k: one dtype; outs apart from each other and from the other operand
+    k = np.ones((1, 8), np.float32)
+    assert fast((x, k), 3)
+    assert fast((x, k), 3, (x, k))
+    assert not fast((x, k.astype(np.float64)), 3)
+    both = np.empty((3, 8), np.float32)
+    assert not fast((x, k), 3, (both[:2], both[1:]))
+    assert not fast((x, k), 3, (x, x[:1]))
 
 
 def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
@@ -329,4 +350,4 @@ def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
     assert_matches(rope.rotate(x, far), oracle(x, far), x)
     from arrayrope import _api
 
-    assert _api.rotate_small(rope, x, far, False) is not None  # the cache has grown
+    assert _api.rotate_small(rope, (x,), far, False, None) is not None  # the cache has grown
