@@ -187,11 +187,14 @@ def decode_row(repeats):
     pos = np.array([1234])
     batch = np.random.default_rng(1).standard_normal((8, 32, 1, 128)).astype(np.float32)
     each = np.arange(8).reshape(8, 1, 1) * 100 + 1000  # one position per sequence
+    k = np.random.default_rng(2).standard_normal((1, 8, 1, 128)).astype(np.float32)
     n = 2000
     results = {}
     for name, fn in {
         "ar.rotate(x, int)": lambda: ar.rotate(x, 1234),
         "RoPE.rotate(x, int)": lambda: rope.rotate(x, 1234),
+        "ar.rotate(x, int, out=x)": lambda: ar.rotate(x, 1234, out=x),
+        "ar.rotate_qk(q, k, int)": lambda: ar.rotate_qk(x, k, 1234),
         "RoPE.rotate(x, array)": lambda: rope.rotate(x, pos),
         "batch of 8, pos (8, 1, 1)": lambda: rope.rotate(batch, each),
         "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
@@ -323,7 +326,7 @@ def main():
             f" (best / median of {repeats} batches of 2000 calls):"
         )
         for name, (best, median) in decode.items():
-            print(f"  {name:24s} {best:7.2f} us / {median:7.2f} us")
+            print(f"  {name:26s} {best:7.2f} us / {median:7.2f} us")
         rows = cpu_rows(shapes, dtypes, repeats)
         if not args.quick:
             rows += multi_axis_rows(repeats)
