@@ -354,7 +354,7 @@ def _gather(rope, xp, cos, sin, idx):
 
 
 def _row_positions(pos, lead):
-    """Positions for the rows of a C-contiguous x with leading shape ``lead``, as (flat int64
+    """Positions for the rows (in C order) of an x with leading shape ``lead``, as (flat int64
     array, repeat, period): row r sits at ``flat[(r // repeat) % period]``. None where ``pos``
     broadcasts in another pattern (across an axis in the middle of its own), or not at all.
 
@@ -383,9 +383,10 @@ def rotate_small(rope, xs, pos, inverse, outs):
     """The decode and prefill fast path: a tuple of results, or None where a call needs the
     general path.
 
-    It takes small C-contiguous NumPy operands ``xs`` (x, or q and k) of one dtype, with
-    ``outs`` None or as many C-contiguous arrays of their shapes and dtype, each its own operand
-    (in place) or sharing no memory with any other; and positions as None, a Python int or an
+    It takes small NumPy operands ``xs`` (x, or q and k) of one dtype whose feature axes are
+    contiguous (any leading strides: KV-cache slices, fused-QKV views), with ``outs`` None or as
+    many such arrays of their shapes and dtype, each its own operand (in place) or sharing no
+    memory with any other; and positions as None, a Python int or an
     integer NumPy array in a common broadcast pattern (see :func:`_row_positions`); for a RoPE
     with one position axis and no length-dependent scaling (``rope._small``). These are the
     shapes of a decode step, where the general path's layout bookkeeping costs more than the
@@ -428,13 +429,14 @@ def rotate_small(rope, xs, pos, inverse, outs):
 
 
 def _small_rows(rope, x, pos):
-    """For an ``x`` the fast path takes (a C-contiguous NumPy array of ``rope``'s head_dim),
+    """For an ``x`` the fast path takes (a NumPy array of ``rope``'s head_dim, its feature axis
+    contiguous),
     (positions, repeat, period, highest known position) of its rows (see
     :func:`_row_positions`); otherwise None."""
     if type(x) is not np.ndarray:
         return None
     shape = x.shape
-    if not shape or shape[-1] != rope.head_dim or not x.flags.c_contiguous:
+    if not shape or shape[-1] != rope.head_dim or x.strides[-1] != x.itemsize:
         return None
     if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
@@ -457,16 +459,16 @@ def _small_rows(rope, x, pos):
 
 
 def _small_outs(xs, outs):
-    """Whether ``outs`` suit the fast path: C-contiguous, writeable, the shape and dtype of
-    their operands, and each one its operand itself (in place) or sharing no memory with any
-    other array of the call (a bounds test: what might overlap goes to the general path)."""
+    """Whether ``outs`` suit the fast path: writeable, the feature axis contiguous, the shape
+    and dtype of their operands, and each one its operand itself (in place) or sharing no
+    memory with any other array of the call (a bounds test: what might overlap goes to the
+    general path)."""
     if len(outs) != len(xs):
         return False
     for out, x in zip(outs, xs):
         if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape:
             return False
-        flags = out.flags
-        if not (flags.c_contiguous and flags.writeable):
+        if out.strides[-1] != out.itemsize or not out.flags.writeable:
             return False
         if out is not x and np.may_share_memory(out, x):
             return False
@@ -751,9 +753,11 @@ def rotate(
         except TypeError:  # an unhashable argument: the general path names it
             rope = None
         if rope is not None and (backend == "auto" or backend == "numba"):
-            small = rotate_small(rope, (x,), pos, inverse, None if out is None else (out,))
+            outs = None if out is None else (out,)
+            small = rotate_small(rope, (x,), pos, inverse, outs)
             if small is not None:
                 return small[0]
+            return apply(rope, (x,), pos, inverse, outs, backend, seq_len)[0]
     rope = shared_rope(_feature_size("x", x), base, style, rotary_dim, scaling)
     return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
 

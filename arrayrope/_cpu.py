@@ -21,6 +21,7 @@ import numpy as np
 from llvmlite import binding as ll
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from ._layout import flat_view, geometry
@@ -157,15 +158,32 @@ def _row_views_impl(x, o, xb, ob):
     return lambda x, o, xb, ob: (x[xb:], o[ob:])
 
 
-def _flat(x):
-    """The C-contiguous ``x`` as one axis (a view), or None where ``x`` is None."""
+@intrinsic
+def _contiguous(typingctx, row):
+    """A 1-D row view whose one stride the caller knows to be the itemsize, typed as C layout:
+    the same array, but loops over it index without its stride and vectorize (a strided row
+    view loops at half the speed)."""
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return types.Array(row.dtype, 1, "C")(row), codegen
 
 
-@overload(_flat)
-def _flat_impl(x):
+def _row_at(x, o, idx):
+    """(``x[idx]``, ``o[idx]``) as contiguous views, or ``o[idx]`` twice where ``x`` is None."""
+
+
+@overload(_row_at)
+def _row_at_impl(x, o, idx):
     if isinstance(x, types.NoneType):
-        return lambda x: None
-    return lambda x: x.reshape(x.size)
+
+        def in_place(x, o, idx):
+            row = _contiguous(o[idx])
+            return row, row
+
+        return in_place
+    return lambda x, o, idx: (_contiguous(x[idx]), _contiguous(o[idx]))
 
 
 def _entry(positions, i):
@@ -490,9 +508,10 @@ def rotate_parallel(
 
 @njit(cache=_CACHE)
 def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse):
-    """The small-input path, one thread: the C-contiguous rows of ``x`` into those of ``o``
-    (``x`` None: in place), any number of axes taken as they are (a reshape in Python costs
-    more than the rows of a decode step), row r at position
+    """The small-input path, one thread: the rows of ``x`` into those of ``o`` (``x`` None: in
+    place), arrays of any number of axes and any leading strides, their feature axes contiguous
+    (the caller checks), taken as they are: flat views and geometry cost more in Python than the
+    rows of a decode step. Row r (in C order) sits at position
     ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one,
     which is cheaper to hand over than an array). Returns False, having written nothing, where
     a position is negative or past the table (the caller then takes the general path). One
@@ -501,21 +520,16 @@ def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_styl
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
-    xf = _flat(x)
-    of = o.reshape(o.size)
     d = o.shape[o.ndim - 1]
     n = rotary_dim // 2
-    step = np.uint64(d)
-    start = np.uint64(0)
     entry = 0
     left = repeat
-    for _ in range(o.size // d):
+    for idx in np.ndindex(o.shape[:-1]):
         p = _entry(positions, entry)
-        xv, ov = _row_views(xf, of, start, start)
+        xv, ov = _row_at(x, o, idx)
         _rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
         for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
             ov[np.uint64(j)] = xv[np.uint64(j)]
-        start += step
         left -= 1
         if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
             left = repeat
@@ -596,12 +610,12 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
 
 
 def rotate_small(x, rows, plan, inverse, out):
-    """Rotate a small C-contiguous ``x`` into ``out`` (a new array where None; ``x`` itself in
-    place), row r at position ``positions[(r // repeat) % period]`` where ``rows`` is
-    (positions, repeat, period, _): the decode and prefill shapes, with no geometry. ``plan`` is
-    (cos, sin, cached rows, half-type view dtype or None, rotary_dim, half style). Returns
-    ``out``, or None where the kernel refuses a position (see :func:`rotate_rows`), having
-    written nothing."""
+    """Rotate a small ``x`` (its feature axis contiguous) into ``out`` (a new array where None;
+    ``x`` itself in place), row r at position ``positions[(r // repeat) % period]`` where
+    ``rows`` is (positions, repeat, period, _): the decode and prefill shapes, with no
+    geometry. ``plan`` is (cos, sin, cached rows, half-type view dtype or None, rotary_dim,
+    half style). Returns ``out``, or None where the kernel refuses a position (see
+    :func:`rotate_rows`), having written nothing."""
     positions, repeat, period, _ = rows
     cos, sin, _, view, rotary_dim, half_style = plan
     if out is None:

@@ -254,7 +254,12 @@ def _fast_path_agrees(rope, x, k, pos, inverse, kw):
     given_out = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
     inplace = x.copy()
     assert rope.rotate(inplace, pos, inverse=inverse, out=inplace) is inplace
-    for result in (new, given_out, inplace):
+    # strided: x and out every other row of a larger buffer (a KV-cache slice, a fused QKV view)
+    buffer = poisoned(x.shape[:-1] + (2, x.shape[-1]), x.dtype)
+    buffer[..., 0, :] = x
+    strided = rope.rotate(buffer[..., 0, :], pos, inverse=inverse, out=buffer[..., 1, :])
+    np.testing.assert_array_equal(bits(buffer[..., 0, :]), bits(x))  # x is untouched
+    for result in (new, given_out, inplace, strided):
         np.testing.assert_array_equal(bits(result), bits(general))
     assert_matches(new, oracle(x, pos, inverse=inverse, **kw), x)
     ar.rotate(x, 0, **kw)  # the module-level function's shared RoPE exists from here on
@@ -315,7 +320,10 @@ def test_small_input_path_is_taken():
     assert fast((x,), 3)
     assert fast((x,), np.array([3]))
     assert fast((x,), np.array([3, 4]))
-    assert not fast((x[:, ::-1],), 3)  # not C-contiguous: general
+    assert not fast((x[:, ::-1],), 3)  # the feature axis is not contiguous: general
+    assert fast((x[::-1],), 3)  # any leading strides
+    cache = np.zeros((1, 4, 16, 8), np.float32)
+    assert fast((np.ones((1, 4, 1, 8), np.float32),), 3, (cache[:, :, 5:6],))  # a KV-cache slice
     batch = np.ones((2, 4, 1, 8), np.float32)  # (B, H, 1, d): batched decode
     assert fast((batch,), np.array([[[5]], [[9]]]))
     assert fast((batch,), np.array([5, 9])[:, None, None])
