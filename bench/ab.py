@@ -73,6 +73,11 @@ def cases(ar, rng_seed=0):
         None,
     )
     found["decode arrayrope.rotate(x, int, out=x)"] = (lambda: ar.rotate(step, 5, out=step), None)
+    kv_cache = np.zeros((1, 8, 4096, 128), np.float32)
+    found["decode arrayrope.rotate(k, int, out=KV-cache slice)"] = (
+        lambda: ar.rotate(k_step, 5, out=kv_cache[:, :, 5:6]),
+        None,
+    )
     half_step = step.astype(np.float16)
     found["decode float16 arrayrope.rotate(x, int)"] = (lambda: ar.rotate(half_step, 5), None)
     found["decode RoPE.rotate(x, array)"] = (lambda: decode.rotate(step, at), None)
