@@ -386,14 +386,14 @@ def rotate_small(rope, xs, pos, inverse, outs):
     It takes small NumPy operands ``xs`` (x, or q and k) of one dtype whose feature axes are
     contiguous (any leading strides: KV-cache slices, fused-QKV views), with ``outs`` None or as
     many such arrays of their shapes and dtype, each its own operand (in place) or sharing no
-    memory with any other; and positions as None, a Python int or an
-    integer NumPy array in a common broadcast pattern (see :func:`_row_positions`); for a RoPE
-    with one position axis and no length-dependent scaling (``rope._small``). These are the
-    shapes of a decode step, where the general path's layout bookkeeping costs more than the
-    rotation. Anything else, bad input included, returns None and goes the general way, which
-    checks it; so does a position that is negative or past the cached table, which the kernel
-    finds before writing. Same row body, same results. Every check here is ordered and written
-    for its cost: the whole Python side of a decode step is budgeted at about a microsecond.
+    memory with any other; and positions as None, a Python int or an integer NumPy array in a
+    common broadcast pattern (see :func:`_row_positions`); for a RoPE with one position axis
+    and no length-dependent scaling (``rope._small``). These are the shapes of a decode step,
+    where the general path's layout bookkeeping costs more than the rotation. Anything else, bad
+    input included, returns None and goes the general way, which checks it; so does a position
+    that is negative or past the cached table, which the kernel finds before writing. Same row
+    body, same results. Every check here is ordered and written for its cost: the whole Python
+    side of a decode step is budgeted at about a microsecond.
     """
     if type(inverse) is not bool:
         return None
@@ -429,10 +429,9 @@ def rotate_small(rope, xs, pos, inverse, outs):
 
 
 def _small_rows(rope, x, pos):
-    """For an ``x`` the fast path takes (a NumPy array of ``rope``'s head_dim, its feature axis
-    contiguous),
-    (positions, repeat, period, highest known position) of its rows (see
-    :func:`_row_positions`); otherwise None."""
+    """(positions, repeat, period, highest known position) of the rows of ``x`` (see
+    :func:`_row_positions`), where the fast path takes ``x``: a NumPy array of ``rope``'s
+    head_dim whose feature axis is contiguous. Otherwise None."""
     if type(x) is not np.ndarray:
         return None
     shape = x.shape

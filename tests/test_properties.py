@@ -349,6 +349,32 @@ def test_small_input_path_is_taken():
     assert not fast((x, k), 3, (x, x[:1]))
 
 
+def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
+    from arrayrope import _api
+
+    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
+    expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
+    expected_qk = ar.rotate_qk(x, k, 9, base=500.0)
+    rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
+    assert _api._small_ropes[((16,), 500.0, "interleaved", None)] is rope
+
+    def general(*args):
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(_api, "apply", general)
+    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
+    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0, out=np.empty_like(x)), expected)
+    in_place = x.copy()
+    ar.rotate(in_place, 9, base=500.0, out=in_place)
+    np.testing.assert_array_equal(in_place, expected)
+    for got, want in zip(ar.rotate_qk(x, k, 9, base=500.0), expected_qk, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(rope.rotate(x, 9), expected)
+    with pytest.raises(AssertionError, match="general path"):  # real-valued: the general path's
+        ar.rotate(x, 9.5, base=500.0)
+
+
 def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
     rope = ar.RoPE(8)
     x = rng.standard_normal((2, 3, 8)).astype(np.float32)
