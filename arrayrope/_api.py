@@ -716,7 +716,9 @@ def shared_rope(head_dim, base, style, rotary_dim, scaling):
     """The one RoPE per configuration that the module-level functions share."""
     try:
         rope = _cached_rope(head_dim, base, style, rotary_dim, scaling)
-        if scaling is None and rope._small and len(_small_ropes) < 64:
+        if scaling is None and rope._small:
+            if len(_small_ropes) >= 64:  # as many as _cached_rope keeps
+                _small_ropes.clear()
             _small_ropes[(rope._feature_shape, base, style, rotary_dim)] = rope
         return rope
     except RopeError:

@@ -354,6 +354,8 @@ def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
 
     x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
     k = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
+    for base in range(1000, 1070):  # more configurations than the registry keeps
+        ar.rotate(x, 1, base=float(base))
     expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
     expected_qk = ar.rotate_qk(x, k, 9, base=500.0)
     rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
