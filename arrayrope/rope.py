@@ -426,7 +426,7 @@ class RoPE:
         if self._small and (backend == "auto" or backend == "numba"):
             small = _api.rotate_small(self, (q, k), pos, inverse, out)
             if small is not None:
-                return tuple(small)
+                return small
         return _api.apply(self, (q, k), pos, inverse, out, backend, seq_len)
 
     def cos_sin(self, pos, like=None, *, seq_len=None):
