@@ -1,0 +1,178 @@
+"""The large-output write path (streaming stores) and the bfloat16 store's nan handling.
+
+Streaming starts at megabytes of output, too large for many hypothesis examples, so these tests
+lower the threshold to zero and compare against the plain-store path bit for bit, with outputs
+placed at every alignment inside poisoned buffers so that a stray or missing write shows.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+from conftest import BF16, DTYPES, assert_matches, oracle, poisoned
+from hypothesis import given
+from hypothesis import strategies as st
+
+import arrayrope as ar
+
+cpu = pytest.importorskip("arrayrope._cpu", reason="the CPU kernels need Numba")
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _general(rope, xs, pos, outs, inverse=False):
+    from arrayrope import _api
+
+    return _api.apply(rope, tuple(xs), pos, inverse, tuple(outs), "numba", None)
+
+
+@contextlib.contextmanager
+def _streaming(threads):
+    """Streaming on for every output, on one thread or on all."""
+    if not cpu.STREAMING:
+        pytest.skip("streaming stores are used on x86-64 only")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "STREAM_ABOVE", 0)
+        if threads == "parallel":
+            patch.setattr(cpu, "SERIAL_BELOW", 0)
+        yield
+
+
+def _window(shape, dtype, shift, gap):
+    """A poisoned buffer and a view of ``shape`` inside it, ``shift`` elements from its start
+    (every alignment against 64-byte lines) and ``gap`` elements between rows."""
+    n, d = int(np.prod(shape[:-1])), shape[-1]
+    buffer = poisoned((shift + n * (d + gap) + 16,), dtype)
+    rows = buffer[shift : shift + n * (d + gap)].reshape(n, d + gap)[:, :d]
+    return buffer, rows.reshape(shape)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@given(
+    lead=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    d=st.integers(1, 80).map(lambda h: 2 * h),
+    dtype=st.sampled_from(DTYPES),
+    style=st.sampled_from(["interleaved", "half"]),
+    partial=st.booleans(),
+    inverse=st.booleans(),
+    shift=st.integers(0, 33),
+    gap=st.sampled_from([0, 0, 1, 3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_streamed_output_matches_plain_stores(
+    threads, lead, d, dtype, style, partial, inverse, shift, gap, seed
+):
+    rng = np.random.default_rng(seed)
+    shape = tuple(lead) + (d,)
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    x_before = x.copy()
+    rotary_dim = 2 * int(rng.integers(1, d // 2 + 1)) if partial else d
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    pos = rng.integers(0, 1 << 20, size=shape[-2:-1])
+    buffer, out = _window(shape, dtype, shift, gap)
+    with _streaming(threads):
+        _general(rope, (x,), pos, (out,), inverse)
+    with pytest.MonkeyPatch.context() as plain:
+        plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
+        (expected,) = _general(rope, (x,), pos, (poisoned(shape, dtype),), inverse)
+    np.testing.assert_array_equal(bits(out), bits(expected))
+    mask = np.ones(buffer.size, bool)
+    mask[np.unique(_offsets(buffer, out))] = False
+    assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+    np.testing.assert_array_equal(bits(x), bits(x_before))
+    assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
+
+
+def _offsets(buffer, view):
+    """The element offsets of ``view`` inside ``buffer``."""
+    start = (view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]) // (
+        buffer.itemsize
+    )
+    steps = [s // buffer.itemsize for s in view.strides]
+    grids = np.meshgrid(*[np.arange(n) * s for n, s in zip(view.shape, steps)], indexing="ij")
+    return (start + sum(grids)).reshape(-1)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+def test_streamed_rotate_qk_with_one_operand_in_place(threads, rng):
+    # rotate_qk streams the operand that has its own output and not the one rotated in place
+    q = rng.standard_normal((2, 8, 64, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 64, 64)).astype(np.float32)
+    expected = ar.rotate(q, backend="numpy"), ar.rotate(k, backend="numpy")
+    q_out, k_in_place = poisoned(q.shape, q.dtype), k.copy()
+    with _streaming(threads):
+        got = ar.rotate_qk(q, k_in_place, out=(q_out, k_in_place))
+    assert got[0] is q_out and got[1] is k_in_place
+    for result, ref, source in zip(got, expected, (q, k)):
+        assert_matches(result, ref.astype(np.float64), source)
+
+
+def test_large_outputs_stream_and_others_do_not(monkeypatch):
+    calls = []
+    for name in ("rotate_serial", "rotate_parallel"):
+        kernel = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, k=kernel: calls.append(a[-1]) or k(*a))
+    monkeypatch.setattr(cpu, "STREAM_ABOVE", 1 << 20)
+    rope = ar.RoPE(128)
+    big = np.ones((1, 8, 256, 128), np.float32)  # 1 MiB
+    q, k = np.ones((1, 4, 256, 128), np.float32), np.ones((1, 4, 256, 128), np.float32)
+    rope.rotate(big, out=np.empty_like(big))
+    rope.rotate(big)
+    rope.rotate_qk(q, k)  # 1 MiB written in all
+    rope.rotate(big, out=big)  # in place: nothing to gain
+    rope.rotate_qk(q, k, out=(q, np.empty_like(k)))  # 0.5 MiB written
+    rope.rotate(big[:, :4], out=np.empty_like(big[:, :4]))  # 0.5 MiB
+    assert calls == [cpu.STREAMING] * 3 + [False] * 3
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("large", [False, True])
+def test_bfloat16_nan_and_inf_inputs_give_nan_and_inf(style, large, monkeypatch):
+    # The bfloat16 store rounds with no nan test (see _cpu._f32_to_bf16_result): every nan and
+    # infinity a bfloat16 array can hold must still come out where the float64 formula has one.
+    if large:  # the parallel kernel with streaming stores
+        monkeypatch.setattr(cpu, "STREAM_ABOVE", 0)
+        monkeypatch.setattr(cpu, "SERIAL_BELOW", 0)
+    codes = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    special = codes[~np.isfinite(codes.view(BF16).astype(np.float32))]  # 254 nans, 2 infs
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((special.size, 2, 16)).astype(BF16)
+    x[:, 0, 0] = special.view(BF16)  # each special value in the first pair of some row
+    x[:, 1, 3] = special.view(BF16)  # and in a second pair's other element
+    pos = rng.integers(0, 1000, size=(special.size, 2))
+    for inverse in (False, True):
+        expected = oracle(x, pos, style=style, inverse=inverse)
+        for out in (None, poisoned(x.shape, x.dtype)):
+            got = ar.rotate(x, pos, style=style, inverse=inverse, out=out).astype(np.float64)
+            assert (np.isnan(got) == np.isnan(expected)).all()
+            finite = np.isfinite(expected)
+            assert (got[np.isinf(expected)] == expected[np.isinf(expected)]).all()
+            assert np.isfinite(got[finite]).all()
+
+
+def test_bfloat16_result_rounding_matches_ml_dtypes():
+    from numba import njit
+
+    @njit
+    def narrow(values, out):
+        for i in range(values.size):
+            out[i] = cpu._f32_to_bf16_result(values[i])
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    # what reaches the store: any finite or infinite value, and nans whose low 16 bits are zero
+    # (quieted bfloat16 nans, or the CPU's default nan)
+    every_bf16 = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    quiet = (np.arange(2**16, dtype=np.uint32) << 16 | 0x00400000).view(np.float32)
+    values = np.concatenate([values[~np.isnan(values)], every_bf16, quiet])
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(BF16).astype(np.float32)
+    got = np.empty(values.size, np.uint16)
+    narrow(values, got)
+    got = got.view(BF16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
