@@ -461,7 +461,8 @@ def _small_outs(xs, outs):
     """Whether ``outs`` suit the fast path: writeable, the feature axis contiguous, the shape
     and dtype of their operands, and each one its operand itself (in place) or sharing no
     memory with any other array of the call (a bounds test: what might overlap goes to the
-    general path)."""
+    general path). The kernel tests an out against its own operand before writing; rotate_qk's
+    other pairs, and k's own (k is rotated after q has been written), are tested here."""
     if len(outs) != len(xs):
         return False
     for out, x in zip(outs, xs):
@@ -469,12 +470,12 @@ def _small_outs(xs, outs):
             return False
         if out.strides[-1] != out.itemsize or not out.flags.writeable:
             return False
-        if out is not x and np.may_share_memory(out, x):
-            return False
     if len(xs) == 2:
         (q, k), (q_out, k_out) = xs, outs
         share = np.may_share_memory
         if share(q_out, k) or share(k_out, q) or share(q_out, k_out):
+            return False
+        if k_out is not k and share(k_out, k):
             return False
     return True
 

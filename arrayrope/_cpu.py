@@ -657,6 +657,40 @@ def rotate_parallel(
             )
 
 
+def _overlap(x, o):
+    """Whether the memory spans of x and o intersect (False where x is None: in place).
+
+    The bounds test of np.may_share_memory, done here because there it cost a decode step
+    with ``out=`` about a microsecond of Python."""
+
+
+@overload(_overlap)
+def _overlap_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: False
+
+    def overlap(x, o):
+        x_lo, x_hi = _span(x)
+        o_lo, o_hi = _span(o)
+        return x_lo < o_hi and o_lo < x_hi
+
+    return overlap
+
+
+@njit(inline="always")
+def _span(a):
+    """[first byte, past the last byte) of the memory a spans (its whole span: empty or not)."""
+    lo = np.int64(a.ctypes.data)
+    hi = lo + a.itemsize
+    for k in range(a.ndim):
+        extent = (a.shape[k] - 1) * a.strides[k]
+        if extent < 0:
+            lo += extent
+        else:
+            hi += extent
+    return lo, hi
+
+
 @njit(cache=_CACHE)
 def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse):
     """The small-input path, one thread: the rows of ``x`` into those of ``o`` (``x`` None: in
@@ -665,12 +699,16 @@ def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_styl
     rows of a decode step. Row r (in C order) sits at position
     ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one,
     which is cheaper to hand over than an array). Returns False, having written nothing, where
-    a position is negative or past the table (the caller then takes the general path). One
-    position axis only. Few arguments, since each costs the call ~0.02-0.06 us of unboxing.
+    a position is negative or past the table, or where ``o`` is not ``x`` but their memory
+    spans overlap (the caller then takes the general path, which tells exact aliasing from
+    partial overlap). One position axis only. Few arguments, since each costs the call
+    ~0.02-0.06 us of unboxing.
     """
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
+    if _overlap(x, o):
+        return False
     d = o.shape[o.ndim - 1]
     n = rotary_dim // 2
     entry = 0
