@@ -4,7 +4,8 @@ One row body serves every dtype and pair style. The dtype of the flat views pick
 conversion at compile time: float32 and float64 are read as they are; float16 travels as int16
 bits and bfloat16 as uint16 bits (Numba has no CPU half type) and both are converted in
 registers. In place is a compile-time case too (x passed as None). Every kernel is compiled once
-per such case and cached on disk. Multi-axis layouts with many runs of pairs, or whose positions
+per such case and cached on disk. Large results not rotated in place are written with streaming
+stores (see STREAM_ABOVE). Multi-axis layouts with many runs of pairs, or whose positions
 are shared by many rows, are rotated from per-entry tables (see gather_tables).
 
 Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand (q, k):
@@ -661,7 +662,7 @@ def _overlap(x, o):
     """Whether the memory spans of x and o intersect (False where x is None: in place).
 
     The bounds test of np.may_share_memory, done here because there it cost a decode step
-    with ``out=`` about a microsecond of Python."""
+    with ``out=`` 0.4 us of Python."""
 
 
 @overload(_overlap)
