@@ -430,23 +430,23 @@ def _stream_copy(src, dst, start, n):
 
 
 @njit(inline="always")
-def _run_start(g, t, row):
-    """Offsets (x, out, idx) of row ``row`` of operand t, and how many rows from it on share its
+def _run_start(g, row):
+    """Offsets (x, out, idx) of row ``row`` of the operand of geometry ``g`` (one block), and how many rows from it on share its
     run along the innermost leading axis, where the offsets advance by constant strides."""
-    nlead = g.shape[2] - 1
-    xb = g[t, 1, nlead]
-    ob = g[t, 2, nlead]
-    pb = g[t, 3, nlead]
+    nlead = g.shape[1] - 1
+    xb = g[1, nlead]
+    ob = g[2, nlead]
+    pb = g[3, nlead]
     rem = np.int64(row)  # a prange index may be unsigned; int64 keeps index arithmetic integral
     left = np.int64(0)
     for ax in range(nlead - 1, -1, -1):
-        i = rem % g[t, 0, ax]
-        rem //= g[t, 0, ax]
+        i = rem % g[0, ax]
+        rem //= g[0, ax]
         if ax == nlead - 1:
-            left = g[t, 0, ax] - i
-        xb += i * g[t, 1, ax]
-        ob += i * g[t, 2, ax]
-        pb += i * g[t, 3, ax]
+            left = g[0, ax] - i
+        xb += i * g[1, ax]
+        ob += i * g[2, ax]
+        pb += i * g[3, ax]
     return xb, ob, pb, left
 
 
@@ -456,7 +456,6 @@ def _rows(
     o,
     idx,
     g,
-    t,
     first,
     stop,
     cos,
@@ -469,20 +468,25 @@ def _rows(
     copy_tail,
     stream,
 ):
-    """Rows first..stop-1 of operand t. The leading index is decoded (int64 divisions) once per
-    run of the innermost leading axis; within a run the offsets advance by its strides. Per-row
-    index bookkeeping cost as much as rotating a float32 row in cache."""
+    """Rows first..stop-1 of the operand whose geometry block is ``g`` (``g[t]`` of the launch's
+    g). The leading index is decoded (int64 divisions) once per run of the innermost leading
+    axis; within a run the offsets advance by its strides. Per-row index bookkeeping cost as
+    much as rotating a float32 row in cache.
+
+    Every caller passes arguments of one set of types (no literal operand number or first row),
+    so that q's and k's calls, serial and parallel, share one compiled function: each type set
+    costs several seconds of compilation."""
     if first >= stop:
         return
-    inner = g.shape[2] - 2
-    sx, so, sp = g[t, 1, inner], g[t, 2, inner], g[t, 3, inner]
-    axis_stride = g[t, 0, inner + 1]
+    inner = g.shape[1] - 2
+    sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
+    axis_stride = g[0, inner + 1]
     streaming = _streams(x, stream)
     block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
     scratch = np.empty(block * d if streaming else 0, o.dtype)
     row = first
     while row < stop:
-        xb, ob, pb, left = _run_start(g, t, row)
+        xb, ob, pb, left = _run_start(g, row)
         run = min(left, stop - row)
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
         # time is rotated into scratch (in cache) and then streamed to o; else the run is one
@@ -521,10 +525,10 @@ def _rows(
 
 
 @njit(cache=_CACHE)
-def _count_rows(g, t):
+def _count_rows(g):
     total = 1
-    for ax in range(g.shape[2] - 1):
-        total *= g[t, 0, ax]
+    for ax in range(g.shape[1] - 1):
+        total *= g[0, ax]
     return total
 
 
@@ -551,10 +555,9 @@ def rotate_serial(
         x1,
         o1,
         i1,
-        g,
-        0,
-        0,
-        _count_rows(g, 0),
+        g[0],
+        np.int64(0),
+        _count_rows(g[0]),
         cos,
         sin,
         seg,
@@ -569,10 +572,9 @@ def rotate_serial(
         x2,
         o2,
         i2,
-        g,
-        1,
-        0,
-        _count_rows(g, 1),
+        g[1],
+        np.int64(0),
+        _count_rows(g[1]),
         cos,
         sin,
         seg,
@@ -610,20 +612,19 @@ def rotate_parallel(
     copy_tail,
     stream,
 ):
-    n1 = _count_rows(g, 0)
-    n2 = _count_rows(g, 1)
+    n1 = _count_rows(g[0])
+    n2 = _count_rows(g[1])
     chunk = max(_MIN_TASK_ROWS, (n1 + n2 + _MAX_TASKS - 1) // _MAX_TASKS)
     tasks1 = (n1 + chunk - 1) // chunk
     tasks2 = (n2 + chunk - 1) // chunk
     for task in prange(tasks1 + tasks2):
         if task < tasks1:
-            first = task * chunk
+            first = np.int64(task * chunk)
             _rows(
                 x1,
                 o1,
                 i1,
-                g,
-                0,
+                g[0],
                 first,
                 min(first + chunk, n1),
                 cos,
@@ -637,13 +638,12 @@ def rotate_parallel(
                 stream,
             )
         else:
-            first = (task - tasks1) * chunk
+            first = np.int64((task - tasks1) * chunk)
             _rows(
                 x2,
                 o2,
                 i2,
-                g,
-                1,
+                g[1],
                 first,
                 min(first + chunk, n2),
                 cos,
