@@ -20,8 +20,8 @@ import tempfile
 CASES = [
     ("decode, fast path (1, 32, 1, 128)", "ar.rotate(np.ones((1, 32, 1, 128), np.float32), 5)"),
     (
-        "one thread, strided (1, 32, 8, 128) out=",
-        "x = np.ones((1, 32, 8, 256), np.float32)[..., :128]; ar.rotate(x, out=np.empty_like(x))",
+        "one thread, general path (1, 32, 8, 128), float positions",
+        "ar.rotate(np.ones((1, 32, 8, 128), np.float32), np.arange(8.0))",
     ),
     (
         "parallel (1, 32, 1024, 128) out=",
