@@ -415,7 +415,7 @@ def rotate_small(rope, xs, pos, inverse, outs):
         plan = _small_plan(rope, x.dtype, high)
         if plan is None:
             return None
-    if size >= _cpu.SERIAL_BELOW:
+    if size >= _cpu.SERIAL_BELOW * _cpu.FAST_FACTOR:
         return None
     rotated = _cpu.rotate_small(x, rows, plan, inverse, None if outs is None else outs[0])
     if rotated is None:

@@ -22,7 +22,7 @@ import platform
 import numpy as np
 from llvmlite import binding as ll
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import config, njit, prange, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
@@ -31,6 +31,12 @@ from ._layout import flat_view, geometry
 # Inputs below this many elements run on one thread: a parallel launch costs ~2 µs and can stall
 # for milliseconds after an idle gap, more than the whole work of a decode step.
 SERIAL_BELOW = int(os.environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
+
+# The fast path (one thread and no layout bookkeeping, see _api.rotate_small) takes inputs below
+# FAST_FACTOR * SERIAL_BELOW elements. On two threads it beat the general path's parallel kernel
+# 1.3-2.7x from 2**16 to 2**18 elements, (1, 32, 16..48, 128), and broke even at 2**19
+# (bench/fast_limit.py). With more threads the parallel kernel gains more, so it stops sooner.
+FAST_FACTOR = 4 if config.NUMBA_NUM_THREADS <= 2 else 1
 
 
 def _last_level_cache(default=32 << 20):

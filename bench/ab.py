@@ -87,6 +87,12 @@ def cases(ar, rng_seed=0):
         lambda: decode.rotate(batch, each),
         None,
     )
+    chunk = rng.standard_normal((1, 32, 16, 128)).astype(np.float32)
+    chunk_pos = np.arange(1000, 1016)
+    found["prefill chunk (1, 32, 16, 128), pos (16,)"] = (
+        lambda: decode.rotate(chunk, chunk_pos),
+        None,
+    )
     return found
 
 

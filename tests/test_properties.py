@@ -349,6 +349,32 @@ def test_small_input_path_is_taken():
     assert not fast((x, k), 3, (x, x[:1]))
 
 
+@pytest.mark.parametrize("factor", [1, 4])
+def test_fast_path_size_limit(factor, rng, monkeypatch):
+    # The fast path takes inputs below SERIAL_BELOW * FAST_FACTOR elements (q and k together),
+    # the general path the rest; on either side the results are the general path's.
+    from arrayrope import _api, _cpu
+
+    monkeypatch.setattr(_cpu, "SERIAL_BELOW", 1024)
+    monkeypatch.setattr(_cpu, "FAST_FACTOR", factor)
+    rope = ar.RoPE(16, style="half")
+    rope.rotate(np.ones(16, np.float32), 4999)  # the cache holds every position drawn below
+    limit = 1024 * factor
+    for rows in (limit // 16 - 1, limit // 16):
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        pos = rng.integers(0, 5000, rows)
+        taken = _api.rotate_small(rope, (x,), pos, False, None)
+        assert (taken is not None) == (x.size < limit)
+        (general,) = _general(rope, (x,), pos, False)
+        np.testing.assert_array_equal(rope.rotate(x, pos), general)
+        np.testing.assert_array_equal(taken[0] if taken else general, general)
+    q = rng.standard_normal((limit // 32, 16)).astype(np.float32)  # q and k: limit // 2 each
+    for k_rows in (limit // 32 - 1, limit // 32):
+        k = rng.standard_normal((k_rows, 16)).astype(np.float32)
+        taken = _api.rotate_small(rope, (q, k), 7, False, None)
+        assert (taken is not None) == (q.size + k.size < limit)
+
+
 def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
     from arrayrope import _api
 

@@ -30,11 +30,13 @@ def _general(rope, xs, pos, outs, inverse=False):
 
 @contextlib.contextmanager
 def _streaming(threads):
-    """Streaming on for every output, on one thread or on all."""
+    """Streaming on for every output, on one thread or on all (the general path's kernels: the
+    fast path's does not stream)."""
     if not cpu.STREAMING:
         pytest.skip("streaming stores are used on x86-64 only")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "STREAM_ABOVE", 0)
+        patch.setattr(cpu, "FAST_FACTOR", 0)
         if threads == "parallel":
             patch.setattr(cpu, "SERIAL_BELOW", 0)
         yield
@@ -116,6 +118,7 @@ def test_large_outputs_stream_and_others_do_not(monkeypatch):
         kernel = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, k=kernel: calls.append(a[-1]) or k(*a))
     monkeypatch.setattr(cpu, "STREAM_ABOVE", 1 << 20)
+    monkeypatch.setattr(cpu, "FAST_FACTOR", 1)  # inputs from SERIAL_BELOW on: the general path
     rope = ar.RoPE(128)
     big = np.ones((1, 8, 256, 128), np.float32)  # 1 MiB
     q, k = np.ones((1, 4, 256, 128), np.float32), np.ones((1, 4, 256, 128), np.float32)
