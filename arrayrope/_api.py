@@ -783,6 +783,22 @@ def rotate_qk(
     seq_len=None,
 ):
     """Rotate queries and keys in one pass; returns (q_rot, k_rot). See :meth:`RoPE.rotate_qk`."""
+    if scaling is None and seq_len is None and type(q) is np.ndarray:
+        # A decode step's way, as in rotate: the shared RoPE by one dict lookup, then the fast
+        # path (out None or a tuple of two; RoPE.rotate_qk checks other values).
+        try:
+            rope = _small_ropes.get((q.shape[-1:], base, style, rotary_dim))
+        except TypeError:  # an unhashable argument: the general path names it
+            rope = None
+        if (
+            rope is not None
+            and (backend == "auto" or backend == "numba")
+            and (out is None or (type(out) is tuple and len(out) == 2))
+        ):
+            small = rotate_small(rope, (q, k), pos, inverse, out)
+            if small is not None:
+                return small
+            return apply(rope, (q, k), pos, inverse, out, backend, seq_len)
     rope = shared_rope(_feature_size("q", q), base, style, rotary_dim, scaling)
     return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
 

@@ -390,13 +390,22 @@ def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
     def general(*args):
         raise AssertionError("the general path was taken")
 
+    def lookup(*args):
+        raise AssertionError("the registry's slow lookup was taken")
+
     monkeypatch.setattr(_api, "apply", general)
+    monkeypatch.setattr(_api, "shared_rope", lookup)  # one dict lookup finds the RoPE
     np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
     np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0, out=np.empty_like(x)), expected)
     in_place = x.copy()
     ar.rotate(in_place, 9, base=500.0, out=in_place)
     np.testing.assert_array_equal(in_place, expected)
     for got, want in zip(ar.rotate_qk(x, k, 9, base=500.0), expected_qk, strict=True):
+        np.testing.assert_array_equal(got, want)
+    outs = (np.empty_like(x), np.empty_like(k))
+    got = ar.rotate_qk(x, k, 9, base=500.0, out=outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    for got, want in zip(outs, expected_qk, strict=True):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(rope.rotate(x, 9), expected)
     with pytest.raises(AssertionError, match="general path"):  # real-valued: the general path's
