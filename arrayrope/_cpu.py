@@ -437,8 +437,9 @@ def _stream_copy(src, dst, start, n):
 
 @njit(inline="always")
 def _run_start(g, row):
-    """Offsets (x, out, idx) of row ``row`` of the operand of geometry ``g`` (one block), and how many rows from it on share its
-    run along the innermost leading axis, where the offsets advance by constant strides."""
+    """Offsets (x, out, idx) of row ``row`` of the operand whose geometry block is ``g``, and how
+    many rows from it on share its run along the innermost leading axis, where the offsets
+    advance by constant strides."""
     nlead = g.shape[1] - 1
     xb = g[1, nlead]
     ob = g[2, nlead]
