@@ -66,6 +66,11 @@ def _check_array(name, x, head_dim):
     if x.ndim == 0:
         raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
     if _table_dtype(x.dtype) is None:
+        if not x.dtype.isnative and _table_dtype(x.dtype.newbyteorder("=")) is not None:
+            raise RopeTypeError(
+                f"{name} must be in native byte order, got dtype {x.dtype.str} "
+                f"(x.astype(x.dtype.newbyteorder('=')) converts it)"
+            )
         raise RopeTypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
         )
@@ -245,6 +250,10 @@ def _position_range(values, family):
     if family == "numpy":
         if _cpu is None:
             from . import _cpu
+        dtype = values.dtype
+        if dtype.kind == "f" and dtype.itemsize != 4 and dtype.itemsize != 8 or not dtype.isnative:
+            # what the kernel does not take: float16, long double, a foreign byte order
+            values = values.astype(np.float64 if dtype.kind == "f" else dtype.newbyteorder("="))
         return _cpu.position_range(values.reshape(-1))  # a copy only where not contiguous
     xp = _namespace(family)
     low, high = (float(v) for v in xp.stack([values.min(), values.max()]).get())

@@ -31,6 +31,27 @@ def test_position_layouts(rng, dtype, shape, pos_shape):
     assert_matches(out, oracle(x, pos), x)
 
 
+@pytest.mark.parametrize(
+    "pos_dtype",
+    [np.int8, np.uint16, ">i4", np.uint64, ">u8", np.float16, np.float32, ">f8", np.longdouble],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_every_real_position_dtype(rng, pos_dtype, backend):
+    x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
+    pos = rng.integers(0, 100, size=5)
+    expected = ar.rotate(x, pos, backend=backend)
+    out = poisoned(x.shape, x.dtype)
+    ar.rotate(x, pos.astype(pos_dtype), out=out, backend=backend)
+    np.testing.assert_array_equal(out, expected)
+    if np.dtype(pos_dtype).kind == "f":
+        with pytest.raises(ValueError, match="finite"):
+            ar.rotate(x, np.array([0, 1, np.inf, 2, 3]).astype(pos_dtype), backend=backend)
+    if np.dtype(pos_dtype).kind in "if":
+        with pytest.raises(ValueError, match="non-negative"):
+            ar.rotate(x, (-pos - 1).astype(pos_dtype), backend=backend)
+
+
 def test_default_positions_run_along_axis_minus_2(rng):
     x = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
     np.testing.assert_array_equal(ar.rotate(x), ar.rotate(x, np.arange(6)))

@@ -85,6 +85,15 @@ def test_non_float_x(dtype):
         ar.rotate(x)
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">f8", ">f2"])
+def test_foreign_byte_order_x(dtype):
+    x = np.zeros((3, 8), dtype)
+    with pytest.raises(RopeTypeError, match=f"x must be in native byte order, got dtype {dtype}"):
+        ar.rotate(x)
+    with pytest.raises(RopeTypeError, match="native byte order"):
+        ar.rotate(x, backend="numpy")
+
+
 def test_zero_d_x():
     with pytest.raises(RopeValueError, match="0-d"):
         ar.rotate(np.float32(3.0))
