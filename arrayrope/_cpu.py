@@ -19,6 +19,7 @@ all in elements of the flat views. ``rotate`` passes an empty second operand.
 import os
 import platform
 
+import numba
 import numpy as np
 from llvmlite import binding as ll
 from llvmlite import ir
@@ -37,6 +38,33 @@ SERIAL_BELOW = int(os.environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
 # 1.3-2.7x from 2**16 to 2**18 elements, (1, 32, 16..48, 128), and broke even at 2**19
 # (bench/fast_limit.py). With more threads the parallel kernel gains more, so it stops sooner.
 FAST_FACTOR = 4 if config.NUMBA_NUM_THREADS <= 2 else 1
+
+
+# GNU OpenMP, Numba's "omp" threading layer, does not survive fork(): Numba kills (SIGTERM) a
+# forked child that starts a parallel region after its parent started one. Forked children are
+# common (PyTorch DataLoader workers, multiprocessing pools on Linux), so a child forked after
+# that runs every kernel on one thread. TBB and workqueue have no such limit.
+_forked = False
+
+
+def _after_fork_in_child():
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def threads_usable():
+    """Whether this process may launch a parallel kernel: False only in a child forked from a
+    process that had started Numba's OpenMP layer."""
+    if not _forked:
+        return True
+    try:
+        return numba.threading_layer() != "omp"
+    except ValueError:  # no parallel region ran before the fork: the child may start one
+        return True
 
 
 def _last_level_cache(default=32 << 20):
@@ -859,7 +887,7 @@ def launch(rope, operands, cos, sin, inverse):
     if len(operands) == 1:
         args += args  # the second operand has zero rows in g
     size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
-    kernel = rotate_serial if size < SERIAL_BELOW else rotate_parallel
+    kernel = rotate_serial if size < SERIAL_BELOW or not threads_usable() else rotate_parallel
     d = operands[0][0].shape[-1]
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
@@ -903,7 +931,7 @@ def _per_entry(rope, operands, cos, sin):
             compact = idx[tuple(slice(0, 1) if s == 0 else slice(None) for s in idx.strides)]
             flat = np.ascontiguousarray(compact).reshape(-1, idx.shape[-1])
             # one thread for a few entries (a decode step), as for the rotation itself
-            many = flat.shape[0] * rope._pair_axis.shape[0] >= SERIAL_BELOW
+            many = flat.shape[0] * rope._pair_axis.shape[0] >= SERIAL_BELOW and threads_usable()
             gather = gather_tables_parallel if many else gather_tables
             row_cos, row_sin = gather(cos, sin, flat, rope._pair_axis)
             cos_parts.append(row_cos)

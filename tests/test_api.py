@@ -1,7 +1,9 @@
 """Behaviour of the public API beyond the maths: layouts, caching, threads, cos_sin, imports."""
 
+import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -194,6 +196,31 @@ def test_import_and_cpu_call_import_no_gpu_framework():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no fork()")
+def test_forked_child_after_a_parallel_parent():
+    # Numba kills a forked child that starts an OpenMP region after its parent did (the "omp"
+    # threading layer); such a child must rotate on one thread instead, with the same results.
+    code = textwrap.dedent(
+        """
+        import os, numpy as np, arrayrope as ar
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((4, 8, 512, 64)).astype(np.float32)  # the parallel kernel's size
+        axial = ar.RoPE.axial((32, 32))
+        y = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
+        pos = rng.integers(0, 64, (4096, 2))  # 4096 entries: per-entry tables, gathered in parallel
+        expected = ar.rotate(x), axial.rotate(y, pos)
+        pid = os.fork()
+        if pid == 0:
+            same = np.array_equal(ar.rotate(x), expected[0])
+            same &= np.array_equal(axial.rotate(y, pos), expected[1])
+            os._exit(0 if same else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
 
 
 def test_import_is_light():
