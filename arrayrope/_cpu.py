@@ -18,6 +18,7 @@ all in elements of the flat views. ``rotate`` passes an empty second operand.
 
 import os
 import platform
+import threading
 
 import numba
 import numpy as np
@@ -65,6 +66,24 @@ def threads_usable():
         return numba.threading_layer() != "omp"
     except ValueError:  # no parallel region ran before the fork: the child may start one
         return True
+
+
+_launch_lock = threading.Lock()
+_layer = None
+
+
+def run_parallel(kernel, *args):
+    """``kernel(*args)`` for a parallel kernel. Numba's workqueue threading layer, its fallback
+    where neither TBB nor OpenMP loads, aborts the process when two threads launch at once
+    (Dask's threaded scheduler does), so there launches take turns. The layer is known after
+    the first launch."""
+    global _layer
+    if _layer is None or _layer == "workqueue":
+        with _launch_lock:
+            result = kernel(*args)
+            _layer = numba.threading_layer()
+        return result
+    return kernel(*args)
 
 
 def _last_level_cache(default=32 << 20):
@@ -887,24 +906,17 @@ def launch(rope, operands, cos, sin, inverse):
     if len(operands) == 1:
         args += args  # the second operand has zero rows in g
     size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
-    kernel = rotate_serial if size < SERIAL_BELOW or not threads_usable() else rotate_parallel
+    parallel = size >= SERIAL_BELOW and threads_usable()
     d = operands[0][0].shape[-1]
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
     stream = STREAMING and written >= STREAM_ABOVE
-    kernel(
-        *args,
-        g,
-        cos,
-        sin,
-        segments,
-        rope.rotary_dim,
-        d,
-        rope._half_style,
-        inverse,
-        copy_tail,
-        stream,
-    )
+    args += (g, cos, sin, segments, rope.rotary_dim, d, rope._half_style, inverse)
+    args += (copy_tail, stream)
+    if parallel:
+        run_parallel(rotate_parallel, *args)
+    else:
+        rotate_serial(*args)
 
 
 class _OneRun(dict):
@@ -932,8 +944,11 @@ def _per_entry(rope, operands, cos, sin):
             flat = np.ascontiguousarray(compact).reshape(-1, idx.shape[-1])
             # one thread for a few entries (a decode step), as for the rotation itself
             many = flat.shape[0] * rope._pair_axis.shape[0] >= SERIAL_BELOW and threads_usable()
-            gather = gather_tables_parallel if many else gather_tables
-            row_cos, row_sin = gather(cos, sin, flat, rope._pair_axis)
+            if many:
+                tables = run_parallel(gather_tables_parallel, cos, sin, flat, rope._pair_axis)
+            else:
+                tables = gather_tables(cos, sin, flat, rope._pair_axis)
+            row_cos, row_sin = tables
             cos_parts.append(row_cos)
             sin_parts.append(row_sin)
             entries = np.arange(count, count + flat.shape[0], dtype=np.int64)

@@ -223,6 +223,38 @@ def test_forked_child_after_a_parallel_parent():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
 
 
+def test_threads_calling_at_once_on_the_workqueue_layer():
+    # Numba's fallback threading layer aborts the process when two threads launch parallel
+    # kernels at once (Dask's threaded scheduler does): arrayrope's launches take turns there.
+    code = textwrap.dedent(
+        """
+        import threading, numba, numpy as np, arrayrope as ar
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((4, 8, 512, 64)).astype(np.float32)  # the parallel kernel's size
+        axial = ar.RoPE.axial((32, 32))
+        y = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
+        pos = rng.integers(0, 64, (4096, 2))  # 4096 entries: per-entry tables, gathered in parallel
+        expected = ar.rotate(x), axial.rotate(y, pos)
+        assert numba.threading_layer() == "workqueue"
+        wrong = []
+
+        def work():
+            for _ in range(5):
+                wrong.append(not np.array_equal(ar.rotate(x), expected[0]))
+                wrong.append(not np.array_equal(axial.rotate(y, pos), expected[1]))
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(wrong) == 40 and not any(wrong), wrong
+        """
+    )
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
+
+
 def test_import_is_light():
     code = "import sys, arrayrope; assert 'numba' not in sys.modules, 'numba imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True)
