@@ -88,5 +88,7 @@ class CosSinTables:
         """(cos, sin) of shape (R, n_pairs) for float64 ``positions`` of shape (R, n_axes)."""
         axis = self.pair_axis if xp is np else xp.asarray(self.pair_axis)
         inv_freq = self.inv_freq if xp is np else xp.asarray(self.inv_freq)
-        angles = positions[:, axis] * inv_freq
+        # C order, as the cached tables: fancy indexing may hand back a transposed layout,
+        # which the kernels' vector loads along a row cannot use
+        angles = xp.ascontiguousarray(positions[:, axis] * inv_freq)
         return _angles_to_tables(xp, angles, self.scale, dtype)

@@ -317,6 +317,295 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
+# The direct streaming path: rows rotated in registers and written with 16-byte streaming stores
+# straight into the output, no scratch block. The CPU's write-combining buffers join the pieces
+# of each cache line, so a line split between two rows streams whole too. It needs every store
+# address 16-byte aligned (see direct_streaming); other large outputs take the scratch path.
+# Measured on a 2-vCPU EPYC, (4, 32, 2048, 128) float32 `out=`: 20.7 GB/s against 13.9 GB/s
+# for the scratch path and 22.4 GB/s for a streaming copy of the same bytes.
+SCRATCH, DIRECT = 1, 2  # the kernels' ``stream`` argument; 0: plain stores
+
+
+def _splat(ty, lanes, value):
+    return ir.Constant(ir.VectorType(ty, lanes), [value] * lanes)
+
+
+def _lanes_of(array_type, nbytes):
+    return nbytes // (array_type.dtype.bitwidth // 8)
+
+
+def _load_lanes(context, builder, array_type, array, index, lanes):
+    """``lanes`` elements of a 1-D unit-stride array from ``index`` as a vector of the compute
+    type (float64 for float64, float32 otherwise), converted as _load converts one."""
+    data = context.make_array(array_type)(context, builder, array).data
+    address = builder.gep(data, [index])
+    dtype = array_type.dtype
+    if dtype in (types.float32, types.float64):
+        vector = ir.VectorType(context.get_value_type(dtype), lanes)
+        return builder.load(
+            builder.bitcast(address, vector.as_pointer()), align=dtype.bitwidth // 8
+        )
+    bits = builder.load(
+        builder.bitcast(address, ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2
+    )
+    floats = ir.VectorType(ir.FloatType(), lanes)
+    if dtype == types.int16:  # float16 bits
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), floats)
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), lanes))  # bfloat16 bits
+    return builder.bitcast(builder.shl(wide, _splat(ir.IntType(32), lanes, 16)), floats)
+
+
+def _stream_lanes(context, builder, array_type, array, index, value):
+    """Store the vector ``value`` at ``array[index]`` (16-byte aligned), rounded once to the
+    array's storage type as _store rounds, with streaming stores."""
+    data = context.make_array(array_type)(context, builder, array).data
+    lanes = value.type.count
+    dtype = array_type.dtype
+    if dtype == types.int16:  # float16 bits, rounded half to even
+        value = builder.bitcast(
+            builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
+            ir.VectorType(ir.IntType(16), lanes),
+        )
+    elif dtype == types.uint16:  # bfloat16 bits: _f32_to_bf16_result on every lane
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(value, ir.VectorType(i32, lanes))
+        odd = builder.and_(builder.lshr(bits, _splat(i32, lanes, 16)), _splat(i32, lanes, 1))
+        rounded = builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd)
+        value = builder.trunc(
+            builder.lshr(rounded, _splat(i32, lanes, 16)), ir.VectorType(ir.IntType(16), lanes)
+        )
+    address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
+    store = builder.store(value, address, align=16)
+    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+
+
+def _signed_sin(builder, sin, inverse):
+    """sin, or -sin for the inverse (the transpose), as _pairs takes it."""
+    negated = builder.fsub(ir.Constant(sin.type, [-0.0] * sin.type.count), sin)
+    return builder.select(inverse, negated, sin)
+
+
+def _half_step(nbytes):
+    """An intrinsic rotating the pairs (j, j + h) for the ``nbytes`` of o from o[oa] on: x read
+    from x[xa] and x[xa + h], tables from cos[t], sin[t]. _pairs's arithmetic, in vectors."""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, h, cos, sin, t, inverse):
+        lanes = _lanes_of(o, nbytes)
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, h_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            a = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
+            b = _load_lanes(context, builder, tys[0], x_, builder.add(xa_, h_), lanes)
+            c = _load_lanes(context, builder, tys[5], cos_, t_, lanes)
+            s = _signed_sin(
+                builder, _load_lanes(context, builder, tys[6], sin_, t_, lanes), inverse_
+            )
+            first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
+            second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
+            _stream_lanes(context, builder, tys[2], o_, oa_, first)
+            _stream_lanes(context, builder, tys[2], o_, builder.add(oa_, h_), second)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, h, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def _interleaved_step(nbytes):
+    """An intrinsic rotating the pairs (2j, 2j + 1) in the ``nbytes`` of o from o[oa] on: x read
+    from x[xa], tables from cos[t], sin[t]. _interleaved_pairs's arithmetic, in vectors: each
+    element times its pair's cos, plus its partner times its pair's (signed) sin."""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
+        lanes = _lanes_of(o, nbytes)
+        i32 = ir.IntType(32)
+        twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
+        swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
+        # even lanes from the difference, odd lanes from the sum
+        pick = ir.Constant(
+            ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
+        )
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            v = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
+            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes // 2)
+            s = _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2)
+            s = _signed_sin(builder, s, inverse_)
+            c = builder.shuffle_vector(c, c, twice)
+            s = builder.shuffle_vector(s, s, twice)
+            scaled = builder.fmul(v, c)  # (a c, b c)
+            crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
+            result = builder.shuffle_vector(
+                builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
+            )
+            _stream_lanes(context, builder, tys[2], o_, oa_, result)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def _bfloat16_interleaved_step(nbytes):
+    """The interleaved step for bfloat16, with no shuffles: each pair's two elements are one
+    32-bit word, whose low half is the first element's bits and whose high half is the second's,
+    so shifting and masking the word widens both to float32, and _f32_to_bf16_result on both
+    results puts them back. (The shuffling step ran at 0.8x the scratch path.)"""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
+        lanes = nbytes // 4  # pairs
+        i32 = ir.IntType(32)
+        words = ir.VectorType(i32, lanes)
+        floats = ir.VectorType(ir.FloatType(), lanes)
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            source = context.make_array(tys[0])(context, builder, x_).data
+            pair = builder.load(
+                builder.bitcast(builder.gep(source, [xa_]), words.as_pointer()), align=2
+            )
+            sixteen = _splat(i32, lanes, 16)
+            a = builder.bitcast(builder.shl(pair, sixteen), floats)
+            b = builder.bitcast(builder.and_(pair, _splat(i32, lanes, 0xFFFF0000)), floats)
+            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes)
+            s = _signed_sin(
+                builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_
+            )
+            rounded = []
+            for value in (
+                builder.fsub(builder.fmul(a, c), builder.fmul(b, s)),
+                builder.fadd(builder.fmul(b, c), builder.fmul(a, s)),
+            ):
+                bits = builder.bitcast(value, words)
+                odd = builder.and_(builder.lshr(bits, sixteen), _splat(i32, lanes, 1))
+                rounded.append(builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd))
+            result = builder.or_(
+                builder.lshr(rounded[0], sixteen),
+                builder.and_(rounded[1], _splat(i32, lanes, 0xFFFF0000)),
+            )
+            target = context.make_array(tys[2])(context, builder, o_).data
+            address = builder.bitcast(builder.gep(target, [oa_]), words.as_pointer())
+            store = builder.store(result, address, align=16)
+            store.set_metadata("nontemporal", builder.module.add_metadata([i32(1)]))
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
+
+    return step
+
+
+@intrinsic
+def _stream_16(typingctx, x, xa, o, oa):
+    """o[oa...] = x[xa...], 16 bytes, with a streaming store (o[oa] 16-byte aligned)."""
+
+    def codegen(context, builder, signature, args):
+        x_, xa_, o_, oa_ = args
+        vector = ir.VectorType(ir.IntType(32), 4)
+        source = context.make_array(signature.args[0])(context, builder, x_).data
+        target = context.make_array(signature.args[2])(context, builder, o_).data
+        value = builder.load(
+            builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
+        )
+        store = builder.store(
+            value, builder.bitcast(builder.gep(target, [oa_]), vector.as_pointer()), align=16
+        )
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return types.void(x, xa, o, oa), codegen
+
+
+_half_32, _half_16 = _half_step(32), _half_step(16)
+_shuffled_32, _shuffled_16 = _interleaved_step(32), _interleaved_step(16)
+_bfloat16_32, _bfloat16_16 = _bfloat16_interleaved_step(32), _bfloat16_interleaved_step(16)
+
+
+def _interleaved_32(x, xa, o, oa, cos, sin, t, inverse):
+    """The interleaved step over 32 bytes of o, for o's dtype."""
+
+
+def _interleaved_16(x, xa, o, oa, cos, sin, t, inverse):
+    """The interleaved step over 16 bytes of o, for o's dtype."""
+
+
+def _by_dtype(stub, shuffled, bfloat16):
+    @overload(stub)
+    def choose(x, xa, o, oa, cos, sin, t, inverse):
+        step = bfloat16 if o.dtype == types.uint16 else shuffled
+        return lambda x, xa, o, oa, cos, sin, t, inverse: step(x, xa, o, oa, cos, sin, t, inverse)
+
+
+_by_dtype(_interleaved_32, _shuffled_32, _bfloat16_32)
+_by_dtype(_interleaved_16, _shuffled_16, _bfloat16_16)
+
+
+@njit(inline="always")
+def _direct_row(x, o, xb, ob, cos, sin, rotary_dim, d, half_style, inverse):
+    """One row from x[xb] into o[ob], every pair and the tail, with streaming stores."""
+    wide = np.uint64(32 // o.itemsize)
+    if half_style:
+        h = np.uint64(rotary_dim // 2)
+        j = np.uint64(0)
+        while j + wide <= h:
+            _half_32(x, xb + j, o, ob + j, h, cos, sin, j, inverse)
+            j += wide
+        if j < h:
+            _half_16(x, xb + j, o, ob + j, h, cos, sin, j, inverse)
+    else:
+        n = np.uint64(rotary_dim)
+        j = np.uint64(0)
+        while j + wide <= n:
+            _interleaved_32(x, xb + j, o, ob + j, cos, sin, j // np.uint64(2), inverse)
+            j += wide
+        if j < n:
+            _interleaved_16(x, xb + j, o, ob + j, cos, sin, j // np.uint64(2), inverse)
+    for j in range(rotary_dim, d, 16 // o.itemsize):
+        _stream_16(x, xb + np.uint64(j), o, ob + np.uint64(j))
+
+
+def _direct_rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+    """Rows of one run straight to o with streaming stores; nothing in place (``x`` None)."""
+
+
+@overload(_direct_rows)
+def _direct_rows_impl(
+    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+):
+    if isinstance(x, types.NoneType):
+
+        def nothing(
+            x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+        ):
+            pass
+
+        return nothing
+
+    def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+        for r in range(run):
+            p = idx[pb + r * sp + axis]
+            _direct_row(
+                x,
+                o,
+                np.uint64(xb + r * sx),
+                np.uint64(ob + r * so),
+                cos[p],
+                sin[p],
+                rotary_dim,
+                d,
+                half,
+                inv,
+            )
+
+    return rows
+
+
 def _row_at(x, o, idx):
     """(``x[idx]``, ``o[idx]``) as contiguous views, or ``o[idx]`` twice where ``x`` is None."""
 
@@ -449,15 +738,16 @@ def _row(
             ov[np.uint64(j)] = xv[np.uint64(j)]
 
 
-def _streams(x, stream):
-    """``stream``, or False in place (``x`` None), where no line is written unread."""
+def _streams(x, stream, mode):
+    """Whether ``stream`` is ``mode``; False in place (``x`` None), where no line is written
+    unread."""
 
 
 @overload(_streams)
-def _streams_impl(x, stream):
+def _streams_impl(x, stream, mode):
     if isinstance(x, types.NoneType):
-        return lambda x, stream: False
-    return lambda x, stream: stream
+        return lambda x, stream, mode: False
+    return lambda x, stream, mode: stream == mode
 
 
 @njit(inline="always")
@@ -535,13 +825,37 @@ def _rows(
     inner = g.shape[1] - 2
     sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
     axis_stride = g[0, inner + 1]
-    streaming = _streams(x, stream)
+    streaming = _streams(x, stream, SCRATCH)
+    direct = _streams(x, stream, DIRECT)
     block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
     scratch = np.empty(block * d if streaming else 0, o.dtype)
     row = first
     while row < stop:
         xb, ob, pb, left = _run_start(g, row)
         run = min(left, stop - row)
+        if direct:  # one run of pairs (seg has one row): see direct_streaming
+            axis = seg[0, 2] * axis_stride
+            _direct_rows(
+                x,
+                o,
+                idx,
+                xb,
+                ob,
+                pb,
+                sx,
+                so,
+                sp,
+                axis,
+                run,
+                cos,
+                sin,
+                rotary_dim,
+                d,
+                half_style,
+                inverse,
+            )
+            row += run
+            continue
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
         # time is rotated into scratch (in cache) and then streamed to o; else the run is one
         # block rotated straight into o. One call site of _row: each is inlined, and a second
@@ -574,7 +888,7 @@ def _rows(
             if buffered:
                 _stream_copy(scratch, o, np.uint64(ob + start * so), np.uint64(rows * d))
         row += run
-    if streaming:
+    if streaming or direct:
         _store_fence()
 
 
@@ -910,13 +1224,39 @@ def launch(rope, operands, cos, sin, inverse):
     d = operands[0][0].shape[-1]
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    stream = STREAMING and written >= STREAM_ABOVE
+    stream = 0
+    if STREAMING and written >= STREAM_ABOVE:
+        stream = DIRECT if direct_streaming(rope, operands, segments, cos, sin) else SCRATCH
     args += (g, cos, sin, segments, rope.rotary_dim, d, rope._half_style, inverse)
     args += (copy_tail, stream)
     if parallel:
         run_parallel(rotate_parallel, *args)
     else:
         rotate_serial(*args)
+
+
+def direct_streaming(rope, operands, segments, cos, sin):
+    """Whether the direct streaming path can write these outputs: one run of pairs per row,
+    table rows of unit stride (its vector loads assume it), a pair block, tail and every output
+    row starting on a 16-byte boundary, and float16 converted by the CPU (F16C)."""
+    x = operands[0][0]
+    item = x.itemsize
+    if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
+        return False
+    if cos.strides[-1] != cos.itemsize or sin.strides[-1] != sin.itemsize:
+        return False
+    rotary_dim, d = rope.rotary_dim, x.shape[-1]
+    block = rotary_dim // 2 if rope._half_style else rotary_dim
+    if (block * item) % 16 or ((d - rotary_dim) * item) % 16:
+        return False
+    for x, out, _ in operands:
+        if out is x:
+            continue
+        if out.__array_interface__["data"][0] % 16:
+            return False
+        if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):
+            return False
+    return True
 
 
 class _OneRun(dict):

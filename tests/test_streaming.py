@@ -88,6 +88,66 @@ def test_streamed_output_matches_plain_stores(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary_dim", [48, 40, 24])
+@pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
+def test_direct_streaming_writes_what_plain_stores_write(
+    threads, dtype, style, rotary_dim, layout, monkeypatch
+):
+    # The direct path (rows rotated in registers, stored with 16-byte streaming stores) takes
+    # outputs whose pair blocks, tail and rows all start on 16-byte boundaries; the others
+    # take the scratch path. Both must write the plain-store path's bits and nothing else.
+    rng = np.random.default_rng()
+    shape, d = (3, 2, 37, 48), 48
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    x_before = x.copy()
+    integer = rng.integers(0, 100_000, size=37)
+    real = rng.uniform(0, 100_000, size=37)  # exact tables, computed per call
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    item = np.dtype(dtype).itemsize
+    shift, gap = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
+    buffer, out = _window(shape, dtype, shift, gap)
+    assert buffer.__array_interface__["data"][0] % 16 == 0
+    block = rotary_dim // 2 if style == "half" else rotary_dim
+    expect_direct = (
+        layout != "shifted"
+        and (block * item) % 16 == 0
+        and (dtype != np.float16 or cpu.HARDWARE_F16)
+    )
+    chosen = []
+    direct_streaming = cpu.direct_streaming
+    monkeypatch.setattr(
+        cpu, "direct_streaming", lambda *a: chosen.append(direct_streaming(*a)) or chosen[-1]
+    )
+    for pos, inverse in ((integer, False), (integer, True), (real, False)):
+        buffer[:] = np.nan
+        with _streaming(threads):
+            _general(rope, (x,), pos, (out,), inverse)
+        with pytest.MonkeyPatch.context() as plain:
+            plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
+            (expected,) = _general(rope, (x,), pos, (poisoned(shape, dtype),), inverse)
+        np.testing.assert_array_equal(bits(out), bits(expected))
+        mask = np.ones(buffer.size, bool)
+        mask[np.unique(_offsets(buffer, out))] = False
+        assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+    assert chosen == [expect_direct] * 3
+    np.testing.assert_array_equal(bits(x), bits(x_before))
+
+
+def test_direct_streaming_needs_unit_stride_tables():
+    # its vector loads read a table row as contiguous memory
+    rope = ar.RoPE(64)
+    x = np.zeros((4, 64), np.float32)
+    operands = [(x, np.zeros_like(x), np.zeros((4, 1), np.int64))]
+    tables = np.zeros((8, 32), np.float32)
+    assert cpu.direct_streaming(rope, operands, rope._segments, tables, tables)
+    strided = np.zeros((32, 8), np.float32).T
+    assert not cpu.direct_streaming(rope, operands, rope._segments, strided, tables)
+    assert not cpu.direct_streaming(rope, operands, rope._segments, tables, strided)
+
+
 def _offsets(buffer, view):
     """The element offsets of ``view`` inside ``buffer``."""
     start = (view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]) // (
@@ -128,7 +188,7 @@ def test_large_outputs_stream_and_others_do_not(monkeypatch):
     rope.rotate(big, out=big)  # in place: nothing to gain
     rope.rotate_qk(q, k, out=(q, np.empty_like(k)))  # 0.5 MiB written
     rope.rotate(big[:, :4], out=np.empty_like(big[:, :4]))  # 0.5 MiB
-    assert calls == [cpu.STREAMING] * 3 + [False] * 3
+    assert calls == [cpu.DIRECT if cpu.STREAMING else 0] * 3 + [0] * 3
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans
