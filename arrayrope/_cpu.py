@@ -5,8 +5,10 @@ conversion at compile time: float32 and float64 are read as they are; float16 tr
 bits and bfloat16 as uint16 bits (Numba has no CPU half type) and both are converted in
 registers. In place is a compile-time case too (x passed as None). Every kernel is compiled once
 per such case and cached on disk. Large results not rotated in place are written with streaming
-stores (see STREAM_ABOVE). Multi-axis layouts with many runs of pairs, or whose positions
-are shared by many rows, are rotated from per-entry tables (see gather_tables).
+stores (see STREAM_ABOVE), straight from registers where they are 16-byte aligned (see
+direct_streaming) and through a scratch block otherwise. Multi-axis layouts with many runs of
+pairs, or whose positions are shared by many rows, are rotated from per-entry tables (see
+gather_tables).
 
 Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand (q, k):
   g[t, 0, :L] leading sizes        g[t, 0, L] element stride of the axes dimension of ``idx``
