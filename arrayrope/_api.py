@@ -69,7 +69,7 @@ def _check_array(name, x, head_dim):
         if not x.dtype.isnative and _table_dtype(x.dtype.newbyteorder("=")) is not None:
             raise RopeTypeError(
                 f"{name} must be in native byte order, got dtype {x.dtype.str} "
-                f"(x.astype(x.dtype.newbyteorder('=')) converts it)"
+                f"({name}.astype({name}.dtype.newbyteorder('=')) converts it)"
             )
         raise RopeTypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
@@ -251,7 +251,7 @@ def _position_range(values, family):
         if _cpu is None:
             from . import _cpu
         dtype = values.dtype
-        if dtype.kind == "f" and dtype.itemsize != 4 and dtype.itemsize != 8 or not dtype.isnative:
+        if (dtype.kind == "f" and dtype.itemsize not in (4, 8)) or not dtype.isnative:
             # what the kernel does not take: float16, long double, a foreign byte order
             values = values.astype(np.float64 if dtype.kind == "f" else dtype.newbyteorder("="))
         return _cpu.position_range(values.reshape(-1))  # a copy only where not contiguous

@@ -415,8 +415,8 @@ class RoPE:
         ``q`` (..., Hq, T, d) and ``k`` (..., Hk, T, d) may differ in head count (grouped-query
         attention) and may be strided views into one fused QKV buffer; ``pos`` must broadcast
         against both leading shapes; None gives each its own 0..T-1 along its axis -2. ``out``
-        is None or a pair (q_out, k_out). Returns
-        (q_rot, k_rot). Other parameters as in :meth:`rotate`.
+        is None or a pair (q_out, k_out). Returns (q_rot, k_rot). Other parameters as in
+        :meth:`rotate`.
         """
         if out is not None:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
