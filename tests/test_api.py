@@ -198,19 +198,27 @@ def test_import_and_cpu_call_import_no_gpu_framework():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+# A subprocess's opening: both parallel kernels (the rotation, and the gather of per-entry
+# tables) have run once, their results kept in ``expected``.
+_PARALLEL_CALLS = textwrap.dedent(
+    """
+    import os, numpy as np, arrayrope as ar
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8, 512, 64)).astype(np.float32)  # the parallel kernel's size
+    axial = ar.RoPE.axial((32, 32))
+    y = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
+    pos = rng.integers(0, 64, (4096, 2))  # 4096 entries: per-entry tables, gathered in parallel
+    expected = ar.rotate(x), axial.rotate(y, pos)
+    """
+)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no fork()")
 def test_forked_child_after_a_parallel_parent():
     # Numba kills a forked child that starts an OpenMP region after its parent did (the "omp"
     # threading layer); such a child must rotate on one thread instead, with the same results.
-    code = textwrap.dedent(
+    code = _PARALLEL_CALLS + textwrap.dedent(
         """
-        import os, numpy as np, arrayrope as ar
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((4, 8, 512, 64)).astype(np.float32)  # the parallel kernel's size
-        axial = ar.RoPE.axial((32, 32))
-        y = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
-        pos = rng.integers(0, 64, (4096, 2))  # 4096 entries: per-entry tables, gathered in parallel
-        expected = ar.rotate(x), axial.rotate(y, pos)
         pid = os.fork()
         if pid == 0:
             same = np.array_equal(ar.rotate(x), expected[0])
@@ -226,15 +234,9 @@ def test_forked_child_after_a_parallel_parent():
 def test_threads_calling_at_once_on_the_workqueue_layer():
     # Numba's fallback threading layer aborts the process when two threads launch parallel
     # kernels at once (Dask's threaded scheduler does): arrayrope's launches take turns there.
-    code = textwrap.dedent(
+    code = _PARALLEL_CALLS + textwrap.dedent(
         """
-        import threading, numba, numpy as np, arrayrope as ar
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((4, 8, 512, 64)).astype(np.float32)  # the parallel kernel's size
-        axial = ar.RoPE.axial((32, 32))
-        y = rng.standard_normal((1, 8, 4096, 64)).astype(np.float32)
-        pos = rng.integers(0, 64, (4096, 2))  # 4096 entries: per-entry tables, gathered in parallel
-        expected = ar.rotate(x), axial.rotate(y, pos)
+        import threading, numba
         assert numba.threading_layer() == "workqueue"
         wrong = []
 

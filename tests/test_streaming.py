@@ -75,15 +75,7 @@ def test_streamed_output_matches_plain_stores(
     rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
     pos = rng.integers(0, 4096, size=rows)
     buffer, out = _window(shape, dtype, shift, gap)
-    with _streaming(threads):
-        _general(rope, (x,), pos, (out,), inverse)
-    with pytest.MonkeyPatch.context() as plain:
-        plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
-        (expected,) = _general(rope, (x,), pos, (poisoned(shape, dtype),), inverse)
-    np.testing.assert_array_equal(bits(out), bits(expected))
-    mask = np.ones(buffer.size, bool)
-    mask[np.unique(_offsets(buffer, out))] = False
-    assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+    _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out)
     np.testing.assert_array_equal(bits(x), bits(x_before))
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
@@ -123,15 +115,7 @@ def test_direct_streaming_writes_what_plain_stores_write(
     )
     for pos, inverse in ((integer, False), (integer, True), (real, False)):
         buffer[:] = np.nan
-        with _streaming(threads):
-            _general(rope, (x,), pos, (out,), inverse)
-        with pytest.MonkeyPatch.context() as plain:
-            plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
-            (expected,) = _general(rope, (x,), pos, (poisoned(shape, dtype),), inverse)
-        np.testing.assert_array_equal(bits(out), bits(expected))
-        mask = np.ones(buffer.size, bool)
-        mask[np.unique(_offsets(buffer, out))] = False
-        assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out)
     assert chosen == [expect_direct] * 3
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
@@ -146,6 +130,20 @@ def test_direct_streaming_needs_unit_stride_tables():
     strided = np.zeros((32, 8), np.float32).T
     assert not cpu.direct_streaming(rope, operands, rope._segments, strided, tables)
     assert not cpu.direct_streaming(rope, operands, rope._segments, tables, strided)
+
+
+def _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out):
+    """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on: the bits of
+    the plain-store path, and no write outside ``out``."""
+    with _streaming(threads):
+        _general(rope, (x,), pos, (out,), inverse)
+    with pytest.MonkeyPatch.context() as plain:
+        plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
+        (expected,) = _general(rope, (x,), pos, (poisoned(x.shape, x.dtype),), inverse)
+    np.testing.assert_array_equal(bits(out), bits(expected))
+    mask = np.ones(buffer.size, bool)
+    mask[np.unique(_offsets(buffer, out))] = False
+    assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
 
 
 def _offsets(buffer, view):
