@@ -573,19 +573,21 @@ def _direct_row(x, o, xb, ob, cos, sin, rotary_dim, d, half_style, inverse):
 
 
 def _direct_rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
-    """Rows of one run straight to o with streaming stores; nothing in place (``x`` None)."""
+    """Rows of one run straight to o with streaming stores."""
 
 
 @overload(_direct_rows)
 def _direct_rows_impl(
     x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
 ):
-    if isinstance(x, types.NoneType):
+    # In place nothing streams. Nor does float16 without F16C (direct_streaming refuses it):
+    # its vector conversions would call runtime helpers that Numba's JIT may not link.
+    if isinstance(x, types.NoneType) or (o.dtype == types.int16 and not HARDWARE_F16):
 
         def nothing(
             x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
         ):
-            pass
+            return None
 
         return nothing
 

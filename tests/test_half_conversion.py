@@ -136,9 +136,15 @@ def test_kernels_on_the_software_float16_path():
         "for style in ('interleaved', 'half'):\n"
         "    ref = ar.rotate(x, 1000, style=style, backend='numpy')\n"
         "    fast = ar.rotate(x, 1000, style=style)\n"
+        "    _cpu.FAST_FACTOR = 0  # the general path's kernel\n"
         "    general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
+        "    _cpu.FAST_FACTOR = 1\n"
         "    assert (fast.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
+        # no F16C instruction anywhere in the general kernel, the direct streaming path's
+        # vector steps included: without F16C they would be calls Numba's JIT may not link
+        "for code in _cpu.rotate_serial.inspect_asm().values():\n"
+        "    assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
     )
     env = dict(os.environ, ARRAYROPE_SOFT_F16="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
