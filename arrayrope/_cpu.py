@@ -323,8 +323,8 @@ def _store_fence(typingctx):
 # straight into the output, no scratch block. The CPU's write-combining buffers join the pieces
 # of each cache line, so a line split between two rows streams whole too. It needs every store
 # address 16-byte aligned (see direct_streaming); other large outputs take the scratch path.
-# Measured on a 2-vCPU EPYC, (4, 32, 2048, 128) float32 `out=`: 20.7 GB/s against 13.9 GB/s
-# for the scratch path and 22.4 GB/s for a streaming copy of the same bytes.
+# On a 2-vCPU EPYC, (4, 32, 2048, 128) `out=`, bench/ab.py against the scratch path: 1.21-1.28x
+# float32, 1.15-1.31x float16, 1.03-1.12x bfloat16 (bench/RESULTS.md, sixth session).
 SCRATCH, DIRECT = 1, 2  # the kernels' ``stream`` argument; 0: plain stores
 
 
