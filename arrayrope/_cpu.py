@@ -285,6 +285,15 @@ def _address(typingctx, a, i):
     return types.uint64(a, i), codegen
 
 
+def _store_streaming(context, builder, array_type, array, index, value, align):
+    """Store ``value`` (a vector) at ``array[index]`` with a streaming store, which writes the
+    cache line without first reading it. ``align`` is what the address is known to have."""
+    data = context.make_array(array_type)(context, builder, array).data
+    address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
+    store = builder.store(value, address, align=align)
+    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+
+
 @intrinsic
 def _stream_line(typingctx, dst, di, src, si):
     """Copy the 64 bytes at ``src[si]`` to ``dst[di]`` (64-byte aligned) with a streaming store,
@@ -292,14 +301,10 @@ def _stream_line(typingctx, dst, di, src, si):
 
     def codegen(context, builder, signature, args):
         dst_ty, _, src_ty, _ = signature.args
-        d = context.make_array(dst_ty)(context, builder, args[0]).data
         s = context.make_array(src_ty)(context, builder, args[2]).data
         line = ir.VectorType(ir.IntType(32), 16)
         value = builder.load(builder.bitcast(builder.gep(s, [args[3]]), line.as_pointer()), align=1)
-        store = builder.store(
-            value, builder.bitcast(builder.gep(d, [args[1]]), line.as_pointer()), align=64
-        )
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        _store_streaming(context, builder, dst_ty, args[0], args[1], value, 64)
         return context.get_dummy_value()
 
     return types.void(dst, di, src, si), codegen
@@ -360,7 +365,6 @@ def _load_lanes(context, builder, array_type, array, index, lanes):
 def _stream_lanes(context, builder, array_type, array, index, value):
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned), rounded once to the
     array's storage type as _store rounds, with streaming stores."""
-    data = context.make_array(array_type)(context, builder, array).data
     lanes = value.type.count
     dtype = array_type.dtype
     if dtype == types.int16:  # float16 bits, rounded half to even
@@ -368,17 +372,23 @@ def _stream_lanes(context, builder, array_type, array, index, value):
             builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    elif dtype == types.uint16:  # bfloat16 bits: _f32_to_bf16_result on every lane
-        i32 = ir.IntType(32)
-        bits = builder.bitcast(value, ir.VectorType(i32, lanes))
-        odd = builder.and_(builder.lshr(bits, _splat(i32, lanes, 16)), _splat(i32, lanes, 1))
-        rounded = builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd)
+    elif dtype == types.uint16:  # bfloat16 bits
+        rounded = _bf16_round_lanes(builder, value)
         value = builder.trunc(
-            builder.lshr(rounded, _splat(i32, lanes, 16)), ir.VectorType(ir.IntType(16), lanes)
+            builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
+            ir.VectorType(ir.IntType(16), lanes),
         )
-    address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
-    store = builder.store(value, address, align=16)
-    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+    _store_streaming(context, builder, array_type, array, index, value, 16)
+
+
+def _bf16_round_lanes(builder, value):
+    """_f32_to_bf16_result on every lane of a float32 vector, as 32-bit words whose high halves
+    are the bfloat16 bits (the low halves are left over from the rounding)."""
+    i32 = ir.IntType(32)
+    lanes = value.type.count
+    bits = builder.bitcast(value, ir.VectorType(i32, lanes))
+    odd = builder.and_(builder.lshr(bits, _splat(i32, lanes, 16)), _splat(i32, lanes, 1))
+    return builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd)
 
 
 def _signed_sin(builder, sin, inverse):
@@ -480,22 +490,14 @@ def _bfloat16_interleaved_step(nbytes):
             s = _signed_sin(
                 builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_
             )
-            rounded = []
-            for value in (
-                builder.fsub(builder.fmul(a, c), builder.fmul(b, s)),
-                builder.fadd(builder.fmul(b, c), builder.fmul(a, s)),
-            ):
-                bits = builder.bitcast(value, words)
-                odd = builder.and_(builder.lshr(bits, sixteen), _splat(i32, lanes, 1))
-                rounded.append(builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd))
-            result = builder.or_(
-                builder.lshr(rounded[0], sixteen),
-                builder.and_(rounded[1], _splat(i32, lanes, 0xFFFF0000)),
+            first = _bf16_round_lanes(builder, builder.fsub(builder.fmul(a, c), builder.fmul(b, s)))
+            second = _bf16_round_lanes(
+                builder, builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
             )
-            target = context.make_array(tys[2])(context, builder, o_).data
-            address = builder.bitcast(builder.gep(target, [oa_]), words.as_pointer())
-            store = builder.store(result, address, align=16)
-            store.set_metadata("nontemporal", builder.module.add_metadata([i32(1)]))
+            result = builder.or_(
+                builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
+            )
+            _store_streaming(context, builder, tys[2], o_, oa_, result, 16)
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
@@ -511,14 +513,10 @@ def _stream_16(typingctx, x, xa, o, oa):
         x_, xa_, o_, oa_ = args
         vector = ir.VectorType(ir.IntType(32), 4)
         source = context.make_array(signature.args[0])(context, builder, x_).data
-        target = context.make_array(signature.args[2])(context, builder, o_).data
         value = builder.load(
             builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
         )
-        store = builder.store(
-            value, builder.bitcast(builder.gep(target, [oa_]), vector.as_pointer()), align=16
-        )
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        _store_streaming(context, builder, signature.args[2], o_, oa_, value, 16)
         return context.get_dummy_value()
 
     return types.void(x, xa, o, oa), codegen
