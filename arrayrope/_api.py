@@ -388,63 +388,101 @@ def _row_positions(pos, lead):
     return pos.reshape(-1), repeat, period
 
 
-def rotate_small(rope, xs, pos, inverse, outs):
-    """The decode and prefill fast path: a tuple of results, or None where a call needs the
-    general path.
+def rotate_small(rope, x, pos, inverse, out):
+    """The decode and prefill fast path for one operand: the result, or None where a call
+    needs the general path.
 
-    It takes small NumPy operands ``xs`` (x, or q and k) of one dtype whose feature axes are
-    contiguous (any leading strides: KV-cache slices, fused-QKV views), with ``outs`` None or as
-    many such arrays of their shapes and dtype, each its own operand (in place) or sharing no
-    memory with any other; and positions as None, a Python int or an integer NumPy array in a
-    common broadcast pattern (see :func:`_row_positions`); for a RoPE with one position axis
-    and no length-dependent scaling (``rope._small``). These are the shapes of a decode step,
-    where the general path's layout bookkeeping costs more than the rotation. Anything else, bad
-    input included, returns None and goes the general way, which checks it; so does a position
-    that is negative or past the cached table, which the kernel finds before writing. Same row
-    body, same results. Every check here is ordered and written for its cost: the whole Python
-    side of a decode step is budgeted at about a microsecond.
+    It takes a small NumPy ``x`` whose feature axis is contiguous (any leading strides:
+    KV-cache slices, fused-QKV views), with ``out`` None, ``x`` itself (in place) or an array
+    of x's shape and dtype whose memory does not overlap x's; and positions as None, a Python
+    int or an integer NumPy array in a common broadcast pattern (see :func:`_row_positions`);
+    for a RoPE with one position axis and no length-dependent scaling (``rope._small``). These
+    are the shapes of a decode step, where the general path's layout bookkeeping costs more
+    than the rotation. Anything else, bad input included, returns None and goes the general
+    way, which checks it; so do a position that is negative or past the cached table and a
+    feature axis that is not contiguous, which the kernel finds before writing. Same row body,
+    same results. Every check here is ordered and written for its cost: the whole Python side
+    of a decode step is budgeted at about a microsecond.
     """
-    if type(inverse) is not bool:
-        return None
-    x = xs[0]
     rows = _small_rows(rope, x, pos)
-    if rows is None:
+    if rows is None or type(inverse) is not bool:
         return None
-    high, size = rows[3], x.size
-    if len(xs) == 2:
-        k = xs[1]
-        k_rows = _small_rows(rope, k, pos)
-        if k_rows is None or k.dtype != x.dtype:
-            return None
-        high, size = max(high, k_rows[3]), size + k.size
-    if outs is not None and not _small_outs(xs, outs):
-        return None
-    plan = rope._plans.get(x.dtype)
-    if plan is None or plan[2] <= high:
-        plan = _small_plan(rope, x.dtype, high)
+    dtype = x.dtype
+    plan = rope._plans.get(dtype)
+    if plan is None or plan[2] <= rows[3]:
+        plan = _small_plan(rope, dtype, rows[3])
         if plan is None:
             return None
-    if size >= _cpu.SERIAL_BELOW * _cpu.FAST_FACTOR:
+    if x.size >= _cpu.SMALL_BELOW:
         return None
-    rotated = _cpu.rotate_small(x, rows, plan, inverse, None if outs is None else outs[0])
-    if rotated is None:
-        # Refused, before any write: the general path may grow the cache, so fetch it anew.
-        rope._plans.pop(x.dtype, None)
+    if out is None:
+        out = np.empty(x.shape, dtype)  # not empty_like: that costs twice as much here
+        source = x
+    elif out is x:
+        if not x.flags.writeable:
+            return None
+        source = None  # in place: the kernel's compile-time case
+    elif _small_out(x, out):
+        source = x
+    else:
         return None
-    if len(xs) == 1:
-        return (rotated,)
-    # k takes the position values q took, so the kernel cannot refuse it
-    return rotated, _cpu.rotate_small(k, k_rows, plan, inverse, None if outs is None else outs[1])
+    if _cpu.rotate_small(source, out, rows, plan, inverse):
+        return out
+    return _refused(rope, dtype)
+
+
+def rotate_qk_small(rope, q, k, pos, inverse, outs):
+    """:func:`rotate_small` for q and k: (q_rot, k_rot), or None. They share a dtype, and
+    ``outs`` is None or a pair of which each is its operand itself or shares no memory with
+    q, k or the other; the size limit counts q and k together."""
+    q_rows = _small_rows(rope, q, pos)
+    if q_rows is None or type(inverse) is not bool:
+        return None
+    k_rows = _small_rows(rope, k, pos)
+    if k_rows is None or k.dtype != q.dtype:
+        return None
+    high = max(q_rows[3], k_rows[3])
+    plan = rope._plans.get(q.dtype)
+    if plan is None or plan[2] <= high:
+        plan = _small_plan(rope, q.dtype, high)
+        if plan is None:
+            return None
+    if q.size + k.size >= _cpu.SMALL_BELOW:
+        return None
+    if outs is None:
+        q_out, k_out = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype)
+    elif _small_outs(q, k, outs):
+        q_out, k_out = outs
+    else:
+        return None
+    # The kernel refuses a call only before writing it, but q is written before k is looked
+    # at: so what could make it refuse k, a feature axis that is not contiguous, is checked
+    # here first (k's positions are q's, and k's overlap with the other arrays was tested).
+    for a in (k, k_out):
+        if a.strides[-1] != a.itemsize:
+            return None
+    if not _cpu.rotate_small(None if q_out is q else q, q_out, q_rows, plan, inverse):
+        return _refused(rope, q.dtype)
+    if not _cpu.rotate_small(None if k_out is k else k, k_out, k_rows, plan, inverse):
+        raise RuntimeError("arrayrope: the fast path refused k after writing q (a bug)")
+    return q_out, k_out
+
+
+def _refused(rope, dtype):
+    """The kernel refused a call before writing: the general path may grow the cache, so the
+    plan is fetched anew next time."""
+    rope._plans.pop(dtype, None)
+    return None
 
 
 def _small_rows(rope, x, pos):
     """(positions, repeat, period, highest known position) of the rows of ``x`` (see
     :func:`_row_positions`), where the fast path takes ``x``: a NumPy array of ``rope``'s
-    head_dim whose feature axis is contiguous. Otherwise None."""
+    head_dim. Otherwise None. (The kernel checks that the feature axis is contiguous.)"""
     if type(x) is not np.ndarray:
         return None
     shape = x.shape
-    if not shape or shape[-1] != rope.head_dim or x.strides[-1] != x.itemsize:
+    if not shape or shape[-1] != rope.head_dim:
         return None
     if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
@@ -466,37 +504,45 @@ def _small_rows(rope, x, pos):
     return None
 
 
-def _small_outs(xs, outs):
-    """Whether ``outs`` suit the fast path: writeable, the feature axis contiguous, the shape
-    and dtype of their operands, and each one its operand itself (in place) or sharing no
-    memory with any other array of the call (a bounds test: what might overlap goes to the
-    general path). The kernel tests an out against its own operand before writing; rotate_qk's
-    other pairs, and k's own (k is rotated after q has been written), are tested here."""
-    if len(outs) != len(xs):
+def _small_out(x, out):
+    """Whether ``out`` (not ``x`` itself) suits the fast path: a writeable NumPy array of x's
+    shape and dtype. The kernel checks that its feature axis is contiguous and that its memory
+    does not overlap x's, before writing."""
+    return (
+        type(out) is np.ndarray
+        and out.dtype == x.dtype
+        and out.shape == x.shape
+        and out.flags.writeable
+    )
+
+
+def _small_outs(q, k, outs):
+    """Whether rotate_qk's ``outs`` suit the fast path: a pair, each its operand itself
+    (writeable) or an array as :func:`_small_out` takes, sharing no memory with any other array
+    of the call (a bounds test: what might overlap goes to the general path). The kernel tests
+    an out against its own operand; the other pairs, and k's own (k is rotated after q has been
+    written), are tested here."""
+    if len(outs) != 2:
         return False
-    for out, x in zip(outs, xs):
-        if out is x:  # in place: x passed the layout checks already
+    q_out, k_out = outs
+    for x, out in ((q, q_out), (k, k_out)):
+        if out is x:
             if not out.flags.writeable:
                 return False
-            continue
-        if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape:
+        elif not _small_out(x, out):
             return False
-        if out.strides[-1] != out.itemsize or not out.flags.writeable:
-            return False
-    if len(xs) == 2:
-        (q, k), (q_out, k_out) = xs, outs
-        share = np.may_share_memory
-        if share(q_out, k) or share(k_out, q) or share(q_out, k_out):
-            return False
-        if k_out is not k and share(k_out, k):
-            return False
-    return True
+    share = np.may_share_memory
+    if share(q_out, k) or share(k_out, q) or share(q_out, k_out):
+        return False
+    return k_out is k or not share(k_out, k)
 
 
 def _small_plan(rope, dtype, high):
-    """What the fast path needs for an ``x`` of ``dtype``, kept in ``rope._plans``: (cos, sin,
-    cached rows, the integer view dtype of a half type or None, rotary_dim, half style). None
-    for a dtype the kernels do not take, or a position past the cache's cap."""
+    """What the fast path needs for an ``x`` of ``dtype`` whose highest known position is
+    ``high``, made and kept in ``rope._plans`` where the one kept there has too few rows or
+    none: (cos, sin, cached rows, the integer view dtype of a half type or None, the kernel's
+    settings: rotary_dim and style). None for a dtype the kernels do not take, or a position
+    past the cache's cap."""
     global _cpu
     if _cpu is None:
         from . import _cpu
@@ -509,7 +555,8 @@ def _small_plan(rope, dtype, high):
     view = None
     if dtype.itemsize == 2:
         view = np.dtype(np.int16 if dtype == np.float16 else np.uint16)
-    plan = (*tables, tables[0].shape[0], view, rope.rotary_dim, rope._half_style)
+    settings = _cpu.small_settings(rope.rotary_dim, rope._half_style)
+    plan = (*tables, tables[0].shape[0], view, settings)
     rope._plans[dtype] = plan
     return plan
 
@@ -714,8 +761,8 @@ def _feature_size(name, x):
     return shape[-1]
 
 
-# The shared RoPEs without scaling, by (x.shape[-1:], base, style, rotary_dim): what
-# rotate's fast path looks up (lru_cache's call costs more than the rest of its Python side).
+# The shared RoPEs without scaling, by (head_dim, base, style, rotary_dim): what rotate's fast
+# path looks up (lru_cache's call costs more than the rest of its Python side).
 _small_ropes = {}
 
 
@@ -733,7 +780,7 @@ def shared_rope(head_dim, base, style, rotary_dim, scaling):
         if scaling is None and rope._small:
             if len(_small_ropes) >= 64:  # as many as _cached_rope keeps
                 _small_ropes.clear()
-            _small_ropes[(rope._feature_shape, base, style, rotary_dim)] = rope
+            _small_ropes[(rope.head_dim, base, style, rotary_dim)] = rope
         return rope
     except RopeError:
         raise
@@ -764,14 +811,14 @@ def rotate(
     if scaling is None and seq_len is None and type(x) is np.ndarray:
         # A decode step's way: the shared RoPE by one dict lookup, then the fast path.
         try:
-            rope = _small_ropes.get((x.shape[-1:], base, style, rotary_dim))
-        except TypeError:  # an unhashable argument: the general path names it
+            rope = _small_ropes.get((x.shape[-1], base, style, rotary_dim))
+        except (TypeError, IndexError):  # unhashable, or a 0-d x: the general path says so
             rope = None
         if rope is not None and (backend == "auto" or backend == "numba"):
-            outs = None if out is None else (out,)
-            small = rotate_small(rope, (x,), pos, inverse, outs)
+            small = rotate_small(rope, x, pos, inverse, out)
             if small is not None:
-                return small[0]
+                return small
+            outs = None if out is None else (out,)
             return apply(rope, (x,), pos, inverse, outs, backend, seq_len)[0]
     rope = shared_rope(_feature_size("x", x), base, style, rotary_dim, scaling)
     return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
@@ -796,15 +843,15 @@ def rotate_qk(
         # A decode step's way, as in rotate: the shared RoPE by one dict lookup, then the fast
         # path (out None or a tuple of two; RoPE.rotate_qk checks other values).
         try:
-            rope = _small_ropes.get((q.shape[-1:], base, style, rotary_dim))
-        except TypeError:  # an unhashable argument: the general path names it
+            rope = _small_ropes.get((q.shape[-1], base, style, rotary_dim))
+        except (TypeError, IndexError):  # unhashable, or a 0-d q: the general path says so
             rope = None
         if (
             rope is not None
             and (backend == "auto" or backend == "numba")
             and (out is None or (type(out) is tuple and len(out) == 2))
         ):
-            small = rotate_small(rope, (q, k), pos, inverse, out)
+            small = rotate_qk_small(rope, q, k, pos, inverse, out)
             if small is not None:
                 return small
             return apply(rope, (q, k), pos, inverse, out, backend, seq_len)

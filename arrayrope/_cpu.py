@@ -37,10 +37,12 @@ from ._layout import flat_view, geometry
 SERIAL_BELOW = int(os.environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
 
 # The fast path (one thread and no layout bookkeeping, see _api.rotate_small) takes inputs below
-# FAST_FACTOR * SERIAL_BELOW elements. On two threads it beat the general path's parallel kernel
-# 1.3-2.7x from 2**16 to 2**18 elements, (1, 32, 16..48, 128), and broke even at 2**19
-# (bench/fast_limit.py). With more threads the parallel kernel gains more, so it stops sooner.
+# SMALL_BELOW = FAST_FACTOR * SERIAL_BELOW elements. On two threads it beat the general path's
+# parallel kernel 1.3-2.7x from 2**16 to 2**18 elements, (1, 32, 16..48, 128), and broke even at
+# 2**19 (bench/fast_limit.py). With more threads the parallel kernel gains more, so it stops
+# sooner.
 FAST_FACTOR = 4 if config.NUMBA_NUM_THREADS <= 2 else 1
+SMALL_BELOW = FAST_FACTOR * SERIAL_BELOW
 
 
 # GNU OpenMP, Numba's "omp" threading layer, does not survive fork(): Numba kills (SIGTERM) a
@@ -624,6 +626,17 @@ def _row_at_impl(x, o, idx):
     return lambda x, o, idx: (_contiguous(x[idx]), _contiguous(o[idx]))
 
 
+def _unit_feature_stride(x, o):
+    """Whether the feature (last) axes of ``x`` (None: in place) and ``o`` are contiguous."""
+
+
+@overload(_unit_feature_stride)
+def _unit_feature_stride_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: o.strides[o.ndim - 1] == o.itemsize
+    return lambda x, o: x.strides[x.ndim - 1] == x.itemsize and o.strides[o.ndim - 1] == o.itemsize
+
+
 def _entry(positions, i):
     """positions[i], or ``positions`` itself where it is a single int."""
 
@@ -1063,18 +1076,25 @@ def _span(a):
 
 
 @njit(cache=_CACHE)
-def rotate_rows(x, o, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse):
+def rotate_rows(x, o, positions, repeat, period, cos, sin, settings):
     """The small-input path, one thread: the rows of ``x`` into those of ``o`` (``x`` None: in
-    place), arrays of any number of axes and any leading strides, their feature axes contiguous
-    (the caller checks), taken as they are: flat views and geometry cost more in Python than the
-    rows of a decode step. Row r (in C order) sits at position
-    ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes one,
-    which is cheaper to hand over than an array). Returns False, having written nothing, where
-    a position is negative or past the table, or where ``o`` is not ``x`` but their memory
-    spans overlap (the caller then takes the general path, which tells exact aliasing from
-    partial overlap). One position axis only. Few arguments, since each costs the call
-    ~0.02-0.06 us of unboxing.
+    place), arrays of any number of axes and any leading strides, taken as they are: flat views
+    and geometry cost more in Python than the rows of a decode step. Row r (in C order) sits at
+    position ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes
+    one, which is cheaper to hand over than an array). Returns False, having written nothing,
+    where a feature axis is not contiguous, a position is negative or past the table, or ``o``
+    is not ``x`` but their memory spans overlap (the caller then takes the general path, which
+    copies such features through a temporary and tells exact aliasing from partial overlap).
+    These checks are here because each costs Python 0.05-0.4 us. One position axis only.
+    ``settings`` is ``rotary_dim * 4 + half_style * 2 + inverse`` (see :func:`small_settings`):
+    every argument costs the call 0.02-0.07 us of unboxing, a decode step's whole rotation
+    about 0.8 us.
     """
+    rotary_dim = settings >> 2
+    half_style = (settings & 2) != 0
+    inverse = (settings & 1) != 0
+    if not _unit_feature_stride(x, o):
+        return False
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
@@ -1169,27 +1189,23 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
     return row_cos, row_sin
 
 
-def rotate_small(x, rows, plan, inverse, out):
-    """Rotate a small ``x`` (its feature axis contiguous) into ``out`` (a new array where None;
-    ``x`` itself in place), row r at position ``positions[(r // repeat) % period]`` where
-    ``rows`` is (positions, repeat, period, _): the decode and prefill shapes, with no
-    geometry. ``plan`` is (cos, sin, cached rows, half-type view dtype or None, rotary_dim,
-    half style). Returns ``out``, or None where the kernel refuses a position (see
-    :func:`rotate_rows`), having written nothing."""
+def small_settings(rotary_dim, half_style):
+    """rotate_rows's ``settings`` for the forward rotation; the inverse adds 1."""
+    return rotary_dim * 4 + half_style * 2
+
+
+def rotate_small(x, out, rows, plan, inverse):
+    """Rotate a small ``x`` into ``out`` (``x`` None: ``out`` in place), row r at position
+    ``positions[(r // repeat) % period]`` where ``rows`` is (positions, repeat, period, _): the
+    decode and prefill shapes, with no geometry. ``plan`` is (cos, sin, cached rows, half-type
+    view dtype or None, :func:`small_settings`). Returns whether it did; where it did not (see
+    :func:`rotate_rows`), it wrote nothing."""
     positions, repeat, period, _ = rows
-    cos, sin, _, view, rotary_dim, half_style = plan
-    if out is None:
-        out = np.empty(x.shape, x.dtype)  # not empty_like: that costs twice as much here
-    source = None if out is x else x  # in place is the kernel's compile-time case
+    cos, sin, _, view, settings = plan
     if view is not None:
-        source = None if source is None else source.view(view)
-        target = out.view(view)
-    else:
-        target = out
-    done = rotate_rows(
-        source, target, positions, repeat, period, cos, sin, rotary_dim, half_style, inverse
-    )
-    return out if done else None
+        x = None if x is None else x.view(view)
+        out = out.view(view)
+    return rotate_rows(x, out, positions, repeat, period, cos, sin, settings + inverse)
 
 
 def launch(rope, operands, cos, sin, inverse):

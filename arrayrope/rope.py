@@ -170,7 +170,6 @@ class RoPE:
                 )
             scaling.check(blocks)
         self.head_dim = head_dim
-        self._feature_shape = (head_dim,)  # x.shape[-1:] of the arrays it rotates
         self.rotary_dim = rotary_dim
         self.style = style
         self._half_style = style == "half"
@@ -402,11 +401,11 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        outs = None if out is None else (out,)
         if self._small and (backend == "auto" or backend == "numba"):
-            small = _api.rotate_small(self, (x,), pos, inverse, outs)
+            small = _api.rotate_small(self, x, pos, inverse, out)
             if small is not None:
-                return small[0]
+                return small
+        outs = None if out is None else (out,)
         return _api.apply(self, (x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
@@ -425,7 +424,7 @@ class RoPE:
                 )
             out = tuple(out)
         if self._small and (backend == "auto" or backend == "numba"):
-            small = _api.rotate_small(self, (q, k), pos, inverse, out)
+            small = _api.rotate_qk_small(self, q, k, pos, inverse, out)
             if small is not None:
                 return small
         return _api.apply(self, (q, k), pos, inverse, out, backend, seq_len)

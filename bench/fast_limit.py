@@ -2,10 +2,10 @@
 
 The fast path (arrayrope._api.rotate_small) rotates on one thread with no layout bookkeeping;
 the general path builds flat views and geometry and, from SERIAL_BELOW elements on, runs the
-parallel kernel. The fast path takes inputs below SERIAL_BELOW * FAST_FACTOR elements. This
-script times ``RoPE.rotate(x, pos, out=out)`` on (1, 32, T, 128) with each limit in turn,
-alternating them round by round (this machine's speed moves by 2x between minutes), and prints
-the medians and their ratio. Usage:
+parallel kernel. The fast path takes inputs below SMALL_BELOW elements. This script times
+``RoPE.rotate(x, pos, out=out)`` on (1, 32, T, 128) with each limit in turn, alternating them
+round by round (this machine's speed moves by 2x between minutes), and prints the medians and
+their ratio. Usage:
 
     python bench/fast_limit.py [float32|float16|bfloat16 ...]
 """
@@ -43,7 +43,7 @@ def main():
     print(f"threads: {_cpu.config.NUMBA_NUM_THREADS}, SERIAL_BELOW {_cpu.SERIAL_BELOW}")
     print("| dtype | shape | elements | fast path | general path | general / fast |")
     print("|---|---|---:|---:|---:|---:|")
-    factor = _cpu.FAST_FACTOR
+    default = _cpu.SMALL_BELOW
     try:
         for name in names:
             dtype = dtype_named(name)
@@ -53,7 +53,7 @@ def main():
                 times = {"fast": [], "general": []}
                 for _ in range(ROUNDS):
                     for path, limit in (("fast", 1 << 40), ("general", 1)):
-                        _cpu.FAST_FACTOR = limit / _cpu.SERIAL_BELOW
+                        _cpu.SMALL_BELOW = limit
                         rope.rotate(x, pos, out=out)  # warm: compiled, cache grown
                         times[path].append(seconds(lambda: rope.rotate(x, pos, out=out)))
                 fast, general = (np.median(times[p]) * 1e6 for p in ("fast", "general"))
@@ -63,7 +63,7 @@ def main():
                     flush=True,
                 )
     finally:
-        _cpu.FAST_FACTOR = factor
+        _cpu.SMALL_BELOW = default
 
 
 if __name__ == "__main__":

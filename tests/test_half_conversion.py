@@ -136,9 +136,9 @@ def test_kernels_on_the_software_float16_path():
         "for style in ('interleaved', 'half'):\n"
         "    ref = ar.rotate(x, 1000, style=style, backend='numpy')\n"
         "    fast = ar.rotate(x, 1000, style=style)\n"
-        "    _cpu.FAST_FACTOR = 0  # the general path's kernel\n"
+        "    limit, _cpu.SMALL_BELOW = _cpu.SMALL_BELOW, 0  # the general path's kernel\n"
         "    general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
-        "    _cpu.FAST_FACTOR = 1\n"
+        "    _cpu.SMALL_BELOW = limit\n"
         "    assert (fast.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         # no F16C instruction anywhere in the general kernel, the direct streaming path's

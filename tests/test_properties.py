@@ -308,13 +308,51 @@ def test_small_input_path_with_array_positions_matches_the_general_path(cfg, dat
     _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_inputs_with_strided_features_are_rotated_once(dtype, rng):
+    # The fast path's kernel refuses feature axes that are not contiguous, before writing
+    # anything, and the general path takes them through a temporary: each array is rotated
+    # exactly once, in place included, and rotate_qk never writes q before it knows k goes too.
+    rope = ar.RoPE(8, style="half")
+    x = random_array(rng, (3, 8), dtype)
+    k = random_array(rng, (2, 8), dtype)
+    want_x, want_k = oracle(x, 5, style="half"), oracle(k, 5, style="half")
+
+    def strided(a):
+        buffer = poisoned(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+        view = buffer[..., ::2]
+        view[...] = a
+        return view
+
+    assert_matches(rope.rotate(strided(x), 5), want_x, x)
+    out = strided(np.empty_like(x))
+    assert rope.rotate(x, 5, out=out) is out
+    assert_matches(out, want_x, x)
+    in_place = strided(x)
+    rope.rotate(in_place, 5, out=in_place)
+    assert_matches(in_place, want_x, x)
+    for q_in, k_in in ((x.copy(), strided(k)), (strided(x), k.copy())):
+        q_view, k_view = q_in, k_in
+        got = rope.rotate_qk(q_in, k_in, 5, out=(q_in, k_in))
+        assert got[0] is q_in and got[1] is k_in
+        assert_matches(q_view, want_x, x)
+        assert_matches(k_view, want_k, k)
+    q_in = x.copy()
+    k_out = strided(np.empty_like(k))
+    rope.rotate_qk(q_in, k, 5, out=(q_in, k_out))
+    assert_matches(q_in, want_x, x)
+    assert_matches(k_out, want_k, k)
+
+
 def test_small_input_path_is_taken():
     from arrayrope import _api
 
     rope = ar.RoPE(8)
 
     def fast(xs, pos, outs=None):
-        return _api.rotate_small(rope, xs, pos, False, outs) is not None
+        if len(xs) == 1:
+            return _api.rotate_small(rope, xs[0], pos, False, outs and outs[0]) is not None
+        return _api.rotate_qk_small(rope, *xs, pos, False, outs) is not None
 
     x = np.ones((2, 8), np.float32)
     assert fast((x,), 3)
@@ -351,27 +389,27 @@ def test_small_input_path_is_taken():
 
 @pytest.mark.parametrize("factor", [1, 4])
 def test_fast_path_size_limit(factor, rng, monkeypatch):
-    # The fast path takes inputs below SERIAL_BELOW * FAST_FACTOR elements (q and k together),
-    # the general path the rest; on either side the results are the general path's.
+    # The fast path takes inputs below SMALL_BELOW elements (q and k together), the general
+    # path the rest; on either side the results are the general path's.
     from arrayrope import _api, _cpu
 
     monkeypatch.setattr(_cpu, "SERIAL_BELOW", 1024)
-    monkeypatch.setattr(_cpu, "FAST_FACTOR", factor)
+    monkeypatch.setattr(_cpu, "SMALL_BELOW", 1024 * factor)
     rope = ar.RoPE(16, style="half")
     rope.rotate(np.ones(16, np.float32), 4999)  # the cache holds every position drawn below
     limit = 1024 * factor
     for rows in (limit // 16 - 1, limit // 16):
         x = rng.standard_normal((rows, 16)).astype(np.float32)
         pos = rng.integers(0, 5000, rows)
-        taken = _api.rotate_small(rope, (x,), pos, False, None)
+        taken = _api.rotate_small(rope, x, pos, False, None)
         assert (taken is not None) == (x.size < limit)
         (general,) = _general(rope, (x,), pos, False)
         np.testing.assert_array_equal(rope.rotate(x, pos), general)
-        np.testing.assert_array_equal(taken[0] if taken else general, general)
+        np.testing.assert_array_equal(general if taken is None else taken, general)
     q = rng.standard_normal((limit // 32, 16)).astype(np.float32)  # q and k: limit // 2 each
     for k_rows in (limit // 32 - 1, limit // 32):
         k = rng.standard_normal((k_rows, 16)).astype(np.float32)
-        taken = _api.rotate_small(rope, (q, k), 7, False, None)
+        taken = _api.rotate_qk_small(rope, q, k, 7, False, None)
         assert (taken is not None) == (q.size + k.size < limit)
 
 
@@ -385,7 +423,7 @@ def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
     expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
     expected_qk = ar.rotate_qk(x, k, 9, base=500.0)
     rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
-    assert _api._small_ropes[((16,), 500.0, "interleaved", None)] is rope
+    assert _api._small_ropes[(16, 500.0, "interleaved", None)] is rope
 
     def general(*args):
         raise AssertionError("the general path was taken")
@@ -421,4 +459,4 @@ def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
     assert_matches(rope.rotate(x, far), oracle(x, far), x)
     from arrayrope import _api
 
-    assert _api.rotate_small(rope, (x,), far, False, None) is not None  # the cache has grown
+    assert _api.rotate_small(rope, x, far, False, None) is not None  # the cache has grown

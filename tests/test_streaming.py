@@ -36,7 +36,7 @@ def _streaming(threads):
         pytest.skip("streaming stores are used on x86-64 only")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "STREAM_ABOVE", 0)
-        patch.setattr(cpu, "FAST_FACTOR", 0)
+        patch.setattr(cpu, "SMALL_BELOW", 0)
         if threads == "parallel":
             patch.setattr(cpu, "SERIAL_BELOW", 0)
         yield
@@ -176,7 +176,7 @@ def test_large_outputs_stream_and_others_do_not(monkeypatch):
         kernel = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, k=kernel: calls.append(a[-1]) or k(*a))
     monkeypatch.setattr(cpu, "STREAM_ABOVE", 1 << 20)
-    monkeypatch.setattr(cpu, "FAST_FACTOR", 1)  # inputs from SERIAL_BELOW on: the general path
+    monkeypatch.setattr(cpu, "SMALL_BELOW", cpu.SERIAL_BELOW)  # from there on: the general path
     rope = ar.RoPE(128)
     big = np.ones((1, 8, 256, 128), np.float32)  # 1 MiB
     q, k = np.ones((1, 4, 256, 128), np.float32), np.ones((1, 4, 256, 128), np.float32)
@@ -198,6 +198,7 @@ def test_bfloat16_nan_and_inf_inputs_give_nan_and_inf(style, large, monkeypatch)
     if large:  # the parallel kernel with streaming stores
         monkeypatch.setattr(cpu, "STREAM_ABOVE", 0)
         monkeypatch.setattr(cpu, "SERIAL_BELOW", 0)
+        monkeypatch.setattr(cpu, "SMALL_BELOW", 0)
     codes = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
     special = codes[~np.isfinite(codes.view(BF16).astype(np.float32))]  # 254 nans, 2 infs
     rng = np.random.default_rng(0)
