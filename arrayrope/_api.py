@@ -209,6 +209,7 @@ def _shape_text(shapes):
 
 
 _cpu = None  # imported on first use: Numba loads with it
+_INT64 = np.dtype(np.int64)
 _aranges = {}
 _scalars = {}
 
@@ -370,22 +371,27 @@ def _row_positions(pos, lead):
     Covers what decode and prefill pass: (T,) against (B, H, T); (T, 1) or (B, T, 1) against
     (B, T, H); (B, 1, 1) against (B, H, 1); one position for every row; no broadcasting at all.
     """
-    offset = len(lead) - pos.ndim
+    shape = pos.shape  # read once: each read builds a tuple
+    offset = len(lead) - len(shape)
     if offset < 0:
         return None
-    varying = [offset + k for k, n in enumerate(pos.shape) if n != 1]
-    if not varying:
-        return pos.reshape(1), 1, 1
-    first, stop = varying[0], varying[-1] + 1
+    first = stop = 0  # the varying block of pos's axes, [first, stop)
+    for k, n in enumerate(shape):
+        if n != 1:
+            if stop == 0:
+                first = k
+            stop = k + 1
+    if stop == 0:
+        return (pos if len(shape) == 1 else pos.reshape(1)), 1, 1
     period = 1
     for k in range(first, stop):
-        if pos.shape[k - offset] != lead[k]:
+        if shape[k] != lead[offset + k]:
             return None
-        period *= lead[k]
+        period *= shape[k]
     repeat = 1
-    for n in lead[stop:]:
+    for n in lead[offset + stop :]:
         repeat *= n
-    return pos.reshape(-1), repeat, period
+    return (pos if len(shape) == 1 else pos.reshape(-1)), repeat, period
 
 
 def rotate_small(rope, x, pos, inverse, out):
@@ -498,8 +504,8 @@ def _small_rows(rope, x, pos):
         if found is None:
             return None
         positions, repeat, period = found
-        if positions.dtype != np.int64:
-            positions = positions.astype(np.int64)  # a wrapped uint64 turns negative: refused
+        if positions.dtype is not _INT64:
+            positions = positions.astype(_INT64)  # a wrapped uint64 turns negative: refused
         return positions, repeat, period, 0  # the highest is left to the kernel, which refuses
     return None
 
