@@ -364,8 +364,8 @@ def _gather(rope, xp, cos, sin, idx):
 
 
 def _row_positions(pos, lead):
-    """Positions for the rows (in C order) of an x with leading shape ``lead``, as (flat int64
-    array, repeat, period): row r sits at ``flat[(r // repeat) % period]``. None where ``pos``
+    """Positions for the rows (in C order) of an x with leading shape ``lead``, as (flat
+    array, repeat): row r sits at ``flat[(r // repeat) % flat.size]``. None where ``pos``
     broadcasts in another pattern (across an axis in the middle of its own), or not at all.
 
     Covers what decode and prefill pass: (T,) against (B, H, T); (T, 1) or (B, T, 1) against
@@ -382,16 +382,14 @@ def _row_positions(pos, lead):
                 first = k
             stop = k + 1
     if stop == 0:
-        return (pos if len(shape) == 1 else pos.reshape(1)), 1, 1
-    period = 1
+        return (pos if len(shape) == 1 else pos.reshape(1)), 1
     for k in range(first, stop):
         if shape[k] != lead[offset + k]:
             return None
-        period *= shape[k]
     repeat = 1
     for n in lead[offset + stop :]:
         repeat *= n
-    return (pos if len(shape) == 1 else pos.reshape(-1)), repeat, period
+    return (pos if len(shape) == 1 else pos.reshape(-1)), repeat
 
 
 def rotate_small(rope, x, pos, inverse, out):
@@ -415,8 +413,8 @@ def rotate_small(rope, x, pos, inverse, out):
         return None
     dtype = x.dtype
     plan = rope._plans.get(dtype)
-    if plan is None or plan[2] <= rows[3]:
-        plan = _small_plan(rope, dtype, rows[3])
+    if plan is None or plan[2] <= rows[2]:
+        plan = _small_plan(rope, dtype, rows[2])
         if plan is None:
             return None
     if x.size >= _cpu.SMALL_BELOW:
@@ -447,7 +445,7 @@ def rotate_qk_small(rope, q, k, pos, inverse, outs):
     k_rows = _small_rows(rope, k, pos)
     if k_rows is None or k.dtype != q.dtype:
         return None
-    high = max(q_rows[3], k_rows[3])
+    high = max(q_rows[2], k_rows[2])
     plan = rope._plans.get(q.dtype)
     if plan is None or plan[2] <= high:
         plan = _small_plan(rope, q.dtype, high)
@@ -482,9 +480,10 @@ def _refused(rope, dtype):
 
 
 def _small_rows(rope, x, pos):
-    """(positions, repeat, period, highest known position) of the rows of ``x`` (see
-    :func:`_row_positions`), where the fast path takes ``x``: a NumPy array of ``rope``'s
-    head_dim. Otherwise None. (The kernel checks that the feature axis is contiguous.)"""
+    """(positions, repeat, highest known position) of the rows of ``x`` (see
+    :func:`_row_positions`; the period is len(positions), or 1 for an int), where the fast path
+    takes ``x``: a NumPy array of ``rope``'s head_dim. Otherwise None. (The kernel checks that
+    the feature axis is contiguous.)"""
     if type(x) is not np.ndarray:
         return None
     shape = x.shape
@@ -493,20 +492,20 @@ def _small_rows(rope, x, pos):
     if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
             return None
-        return pos, 1, 1, pos
+        return pos, 1, pos
     if pos is None:
         if len(shape) == 1:
-            return 0, 1, 1, 0
+            return 0, 1, 0
         length = shape[-2]
-        return _default_positions(rope, [shape[:-1]])[0].reshape(-1), 1, length, length - 1
+        return _default_positions(rope, [shape[:-1]])[0].reshape(-1), 1, length - 1
     if type(pos) is np.ndarray and pos.dtype.kind in "iu":
         found = _row_positions(pos, shape[:-1])
         if found is None:
             return None
-        positions, repeat, period = found
+        positions, repeat = found
         if positions.dtype is not _INT64:
             positions = positions.astype(_INT64)  # a wrapped uint64 turns negative: refused
-        return positions, repeat, period, 0  # the highest is left to the kernel, which refuses
+        return positions, repeat, 0  # the highest is left to the kernel, which refuses
     return None
 
 

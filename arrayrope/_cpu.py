@@ -637,6 +637,17 @@ def _unit_feature_stride_impl(x, o):
     return lambda x, o: x.strides[x.ndim - 1] == x.itemsize and o.strides[o.ndim - 1] == o.itemsize
 
 
+def _count(positions):
+    """len(positions), or 1 where ``positions`` is a single int."""
+
+
+@overload(_count)
+def _count_impl(positions):
+    if isinstance(positions, types.Integer):
+        return lambda positions: 1
+    return lambda positions: positions.shape[0]
+
+
 def _entry(positions, i):
     """positions[i], or ``positions`` itself where it is a single int."""
 
@@ -1076,25 +1087,26 @@ def _span(a):
 
 
 @njit(cache=_CACHE)
-def rotate_rows(x, o, positions, repeat, period, cos, sin, settings):
+def rotate_rows(x, o, positions, repeat, cos, sin, settings):
     """The small-input path, one thread: the rows of ``x`` into those of ``o`` (``x`` None: in
     place), arrays of any number of axes and any leading strides, taken as they are: flat views
     and geometry cost more in Python than the rows of a decode step. Row r (in C order) sits at
-    position ``positions[(r // repeat) % period]`` (``positions`` may be one int: decode passes
-    one, which is cheaper to hand over than an array). Returns False, having written nothing,
-    where a feature axis is not contiguous, a position is negative or past the table, or ``o``
-    is not ``x`` but their memory spans overlap (the caller then takes the general path, which
-    copies such features through a temporary and tells exact aliasing from partial overlap).
-    These checks are here because each costs Python 0.05-0.4 us. One position axis only.
-    ``settings`` is ``rotary_dim * 4 + half_style * 2 + inverse`` (see :func:`small_settings`):
-    every argument costs the call 0.02-0.07 us of unboxing, a decode step's whole rotation
-    about 0.8 us.
+    position ``positions[(r // repeat) % len(positions)]`` (``positions`` may be one int:
+    decode passes one, which is cheaper to hand over than an array). Returns False, having
+    written nothing, where a feature axis is not contiguous, a position is negative or past the
+    table, or ``o`` is not ``x`` but their memory spans overlap (the caller then takes the
+    general path, which copies such features through a temporary and tells exact aliasing from
+    partial overlap). These checks are here because each costs Python 0.05-0.4 us. One
+    position axis only. ``settings`` is ``rotary_dim * 4 + half_style * 2 + inverse`` (see
+    :func:`small_settings`): every argument costs the call 0.02-0.07 us of unboxing, a decode
+    step's whole rotation about 0.8 us.
     """
     rotary_dim = settings >> 2
     half_style = (settings & 2) != 0
     inverse = (settings & 1) != 0
     if not _unit_feature_stride(x, o):
         return False
+    period = _count(positions)
     for i in range(period):
         if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
             return False
@@ -1196,16 +1208,16 @@ def small_settings(rotary_dim, half_style):
 
 def rotate_small(x, out, rows, plan, inverse):
     """Rotate a small ``x`` into ``out`` (``x`` None: ``out`` in place), row r at position
-    ``positions[(r // repeat) % period]`` where ``rows`` is (positions, repeat, period, _): the
+    ``positions[(r // repeat) % len(positions)]`` where ``rows`` is (positions, repeat, _): the
     decode and prefill shapes, with no geometry. ``plan`` is (cos, sin, cached rows, half-type
     view dtype or None, :func:`small_settings`). Returns whether it did; where it did not (see
     :func:`rotate_rows`), it wrote nothing."""
-    positions, repeat, period, _ = rows
+    positions, repeat, _ = rows
     cos, sin, _, view, settings = plan
     if view is not None:
         x = None if x is None else x.view(view)
         out = out.view(view)
-    return rotate_rows(x, out, positions, repeat, period, cos, sin, settings + inverse)
+    return rotate_rows(x, out, positions, repeat, cos, sin, settings + inverse)
 
 
 def launch(rope, operands, cos, sin, inverse):
