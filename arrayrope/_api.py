@@ -398,15 +398,15 @@ def rotate_small(rope, x, pos, inverse, out):
 
     It takes a small NumPy ``x`` whose feature axis is contiguous (any leading strides:
     KV-cache slices, fused-QKV views), with ``out`` None, ``x`` itself (in place) or an array
-    of x's shape and dtype whose memory does not overlap x's; and positions as None, a Python
-    int or an integer NumPy array in a common broadcast pattern (see :func:`_row_positions`);
-    for a RoPE with one position axis and no length-dependent scaling (``rope._small``). These
-    are the shapes of a decode step, where the general path's layout bookkeeping costs more
-    than the rotation. Anything else, bad input included, returns None and goes the general
-    way, which checks it; so do a position that is negative or past the cached table and a
-    feature axis that is not contiguous, which the kernel finds before writing. Same row body,
-    same results. Every check here is ordered and written for its cost: the whole Python side
-    of a decode step is budgeted at about a microsecond.
+    of x's shape and dtype whose memory does not overlap x's; and positions as None, an int
+    (Python's or NumPy's) or an integer NumPy array in a common broadcast pattern (see
+    :func:`_row_positions`); for a RoPE with one position axis and no length-dependent scaling
+    (``rope._small``). These are the shapes of a decode step, where the general path's layout
+    bookkeeping costs more than the rotation. Anything else, bad input included, returns None
+    and goes the general way, which checks it; so do a position that is negative or past the
+    cached table and a feature axis that is not contiguous, which the kernel finds before
+    writing. Same row body, same results. Every check here is ordered and written for its
+    cost: the whole Python side of a decode step is budgeted at about a microsecond.
     """
     rows = _small_rows(rope, x, pos)
     if rows is None or type(inverse) is not bool:
@@ -506,6 +506,8 @@ def _small_rows(rope, x, pos):
         if positions.dtype is not _INT64:
             positions = positions.astype(_INT64)  # a wrapped uint64 turns negative: refused
         return positions, repeat, 0  # the highest is left to the kernel, which refuses
+    if isinstance(pos, np.integer):  # a NumPy integer scalar: the int it holds
+        return _small_rows(rope, x, int(pos))
     return None
 
 

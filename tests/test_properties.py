@@ -273,10 +273,20 @@ def _fast_path_agrees(rope, x, k, pos, inverse, kw):
         np.testing.assert_array_equal(bits(k_result), bits(qk_general[1]))
 
 
-@given(configs(), st.one_of(st.none(), st.integers(0, 2**31 - 1)), st.booleans())
+@given(
+    configs(),
+    st.one_of(
+        st.none(),
+        st.integers(0, 2**31 - 1),
+        st.integers(0, 2**31 - 1).map(np.int64),
+        st.integers(0, 255).map(np.uint8),
+    ),
+    st.booleans(),
+)
 def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
-    # rotate and rotate_qk on small C-contiguous arrays at an int (or default) position take
-    # the fast path, allocating, into out= or in place. They must match the general path.
+    # rotate and rotate_qk on small C-contiguous arrays at an int, a NumPy integer scalar (or
+    # default) position take the fast path, allocating, into out= or in place. They must match
+    # the general path.
     rng, x, kw = _setup(cfg)
     k = random_array(rng, x.shape, x.dtype)
     _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
@@ -356,6 +366,10 @@ def test_small_input_path_is_taken():
 
     x = np.ones((2, 8), np.float32)
     assert fast((x,), 3)
+    assert fast((x,), np.int64(3))  # NumPy integer scalars too
+    assert fast((x,), np.uint16(3))
+    assert not fast((x,), np.int64(-1))  # refused: general
+    assert not fast((x,), np.float64(3.0))  # real-valued: general
     assert fast((x,), np.array([3]))
     assert fast((x,), np.array([3, 4]))
     assert not fast((x[:, ::-1],), 3)  # the feature axis is not contiguous: general
