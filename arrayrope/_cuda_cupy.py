@@ -40,14 +40,22 @@ template <> struct Elem<double> {
 template <> struct Elem<f16_bits> {
     typedef float compute;
     static __device__ __forceinline__ float load(const f16_bits* p) {
+#ifdef __CUDA_ARCH__
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p->v));
         return f;
+#else  // the tests run this source on the host too, where host_f16_to_f32 is defined
+        return host_f16_to_f32(p->v);
+#endif
     }
     static __device__ __forceinline__ void store(f16_bits* p, float f) {
+#ifdef __CUDA_ARCH__
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
         p->v = h;
+#else
+        p->v = host_f32_to_f16(f);
+#endif
     }
 };
 template <> struct Elem<bf16_bits> {
@@ -179,42 +187,55 @@ def _on_device(cupy, key, host):
     return found
 
 
+def launch_plan(rope, operands, inverse):
+    """What one launch takes, host side: (kernel name, grid, the six operand arrays, geometry g,
+    nlead, and the scalars after the tables: rotary_dim, d, sign, copy_tail, n1, n2). The kernel's
+    arguments are the arrays, g, nlead, cos, sin, pair_axis (int32), then those scalars. Shared
+    by :func:`launch` and the tests, which run the same source on the host."""
+    x0 = operands[0][0]
+    g = geometry(operands, flat=False)
+    arrays = []
+    for x, out, idx in operands:
+        arrays += (x, out, idx)  # arrays pass as the address of their element 0
+    if len(operands) == 1:
+        arrays += arrays  # the second operand has zero rows
+    n1 = rows(g, 0)
+    n2 = rows(g, 1) if len(operands) == 2 else 0
+    d = x0.shape[-1]
+    copy_tail = int(rope.rotary_dim < d and any(o is not x for x, o, _ in operands))
+    compute = np.float64 if x0.dtype == np.float64 else np.float32
+    scalars = (
+        np.int32(rope.rotary_dim),
+        np.int32(d),
+        compute(-1.0 if inverse else 1.0),
+        np.int32(copy_tail),
+        np.int64(n1),
+        np.int64(n2),
+    )
+    grid = ((n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    name = f"rope_{x0.dtype.name}_{rope.style}"
+    return name, grid, tuple(arrays), g, np.int32(g.shape[2] - 1), scalars
+
+
 def launch(rope, operands, cos, sin, inverse):
     """Rotate one or two operands in one launch; same contract as :func:`arrayrope._cpu.launch`."""
     cupy = require_cupy()
-    x0 = operands[0][0]
-    with x0.device:
-        g_host = geometry(operands, flat=False)
+    with operands[0][0].device:
+        name, grid, arrays, g_host, nlead, scalars = launch_plan(rope, operands, inverse)
         g = _on_device(cupy, ("g", g_host.shape, g_host.tobytes()), g_host)
         pair_axis = _on_device(
             cupy, ("axes", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
         )
-        args = []
-        for x, out, idx in operands:
-            args += (x, out, idx)  # arrays pass as the address of their element 0
-        if len(operands) == 1:
-            args += args  # the second operand has zero rows
-        n1 = rows(g_host, 0)
-        n2 = rows(g_host, 1) if len(operands) == 2 else 0
-        d = x0.shape[-1]
-        copy_tail = int(rope.rotary_dim < d and any(o is not x for x, o, _ in operands))
-        compute = np.float64 if x0.dtype == np.float64 else np.float32
-        kernel = _module(cupy).get_function(f"rope_{x0.dtype.name}_{rope.style}")
-        kernel(
-            grid=((n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,),
+        _module(cupy).get_function(name)(
+            grid=grid,
             block=(LANES, ROWS_PER_BLOCK),
             args=(
-                *args,
+                *arrays,
                 g,
-                np.int32(g_host.shape[2] - 1),
+                nlead,
                 cupy.ascontiguousarray(cos),
                 cupy.ascontiguousarray(sin),
                 pair_axis,
-                np.int32(rope.rotary_dim),
-                np.int32(d),
-                compute(-1.0 if inverse else 1.0),
-                np.int32(copy_tail),
-                np.int64(n1),
-                np.int64(n2),
+                *scalars,
             ),
         )

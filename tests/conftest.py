@@ -149,6 +149,11 @@ def poisoned(shape, dtype):
     return out
 
 
+def bits(a):
+    """The bytes of a, for bit-exact comparisons (nan payloads included)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
 @pytest.fixture
 def rng(request):
     # A fresh seed per test run; printed on failure through the test id's parameter.

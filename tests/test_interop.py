@@ -2,14 +2,10 @@
 
 import numpy as np
 import pytest
-from conftest import BF16
+from conftest import BF16, bits
 
 import arrayrope as ar
 from arrayrope import RopeTypeError, RopeValueError
-
-
-def bits(a):
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 class ReadOnlyProducer:

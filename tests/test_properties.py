@@ -5,6 +5,7 @@ import pytest
 from conftest import (
     DTYPES,
     assert_matches,
+    bits,
     matrix_oracle,
     oracle,
     poisoned,
@@ -16,11 +17,6 @@ from hypothesis import strategies as st
 import arrayrope as ar
 
 BACKENDS = ["numba", "numpy"]
-
-
-def bits(a):
-    """The bytes of a, for bit-exact comparisons (nan payloads included)."""
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 @st.composite

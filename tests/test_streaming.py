@@ -9,17 +9,13 @@ import contextlib
 
 import numpy as np
 import pytest
-from conftest import BF16, DTYPES, assert_matches, oracle, poisoned
+from conftest import BF16, DTYPES, assert_matches, bits, oracle, poisoned
 from hypothesis import given
 from hypothesis import strategies as st
 
 import arrayrope as ar
 
 cpu = pytest.importorskip("arrayrope._cpu", reason="the CPU kernels need Numba")
-
-
-def bits(a):
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def _general(rope, xs, pos, outs, inverse=False):
