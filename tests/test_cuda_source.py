@@ -121,13 +121,13 @@ def host_kernels(tmp_path_factory):
         pytest.skip("g++ is not on PATH: the CUDA C source's host run needs a C++ compiler")
     folder = tmp_path_factory.mktemp("host_kernels")
     source = folder / "rope_host.cpp"
-    runners = "".join(
-        f"HOST_RUN({name}, {name.split('_')[1].replace('float32', 'float')})\n"
-        for name in KERNEL_NAMES
-    )
-    types = {"float": "float", "float64": "double", "float16": "f16_bits", "bfloat16": "bf16_bits"}
-    for key, value in types.items():
-        runners = runners.replace(f", {key})", f", {value})")
+    storage = {
+        "float32": "float",
+        "float64": "double",
+        "float16": "f16_bits",
+        "bfloat16": "bf16_bits",
+    }
+    runners = "".join(f"HOST_RUN({name}, {storage[name.split('_')[1]]})\n" for name in KERNEL_NAMES)
     source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + runners)
     library = folder / "rope_host.so"
     command = [GXX, "-std=c++14", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", str(source)]
