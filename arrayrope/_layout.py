@@ -10,10 +10,10 @@ import numpy as np
 
 
 def _as_strided(a):
-    if type(a).__module__.startswith("cupy"):
-        from cupy.lib.stride_tricks import as_strided
-    else:
-        as_strided = np.lib.stride_tricks.as_strided
+    if isinstance(a, np.ndarray):
+        return np.lib.stride_tricks.as_strided
+    from cupy.lib.stride_tricks import as_strided
+
     return as_strided
 
 

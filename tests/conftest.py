@@ -160,3 +160,13 @@ def rng(request):
     seed = np.random.SeedSequence().entropy % (2**32)
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def host_kernels(tmp_path_factory):
+    """The CuPy backend's CUDA C source built for the host (see host_cuda.py)."""
+    import host_cuda
+
+    if host_cuda.GXX is None:
+        pytest.skip("g++ is not on PATH: the CUDA C source's host run needs a C++ compiler")
+    return host_cuda.compile_host_kernels(tmp_path_factory.mktemp("host_kernels"))

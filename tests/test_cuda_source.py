@@ -4,7 +4,6 @@ errors, and, compiled for the host, it runs and matches the oracle.
 nvcc is on the build machines, g++ on most; where either is missing its tests skip, naming it.
 """
 
-import ctypes
 import re
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from conftest import (
     random_array,
     run_launcher,
 )
+from host_cuda import run_kernel
 
 import arrayrope as ar
 from arrayrope._cuda_cupy import KERNEL_NAMES, SOURCE
@@ -67,106 +67,15 @@ def test_one_entry_point_per_dtype_and_style():
         assert f"ROPE_ENTRY({name}," in SOURCE
 
 
-# The same source, executed: compiled as host C++ with a small prelude (CUDA's qualifiers as
-# nothing, blockIdx/threadIdx as globals, the device intrinsics and float16 conversions as host
-# functions) and a runner that walks the launch's grid thread by thread. Each GPU thread owns
-# its pairs, so walking them in order is a faithful schedule. The launches take their arguments
-# from launch_plan, the CuPy launcher's own packing, so geometry, strides and q/k rows are the
-# ones a GPU would get.
-HOST_PRELUDE = r"""
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-struct host_dim3 { unsigned x, y, z; };
-static host_dim3 blockIdx, blockDim, threadIdx;
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) {
-    unsigned int u; std::memcpy(&u, &f, 4); return u;
-}
-// IEEE conversions, round to nearest even, as PTX's cvt.f32.f16 and cvt.rn.f16.f32
-static inline float host_f16_to_f32(unsigned short h) {
-    _Float16 v; std::memcpy(&v, &h, 2); return (float)v;
-}
-static inline unsigned short host_f32_to_f16(float f) {
-    _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h;
-}
-"""
-
-HOST_RUNNER = r"""
-#define HOST_RUN(NAME, T)                                                                    \
-extern "C" void host_##NAME(                                                                 \
-    const T* x1, T* o1, const i64* i1, const T* x2, T* o2, const i64* i2, const i64* g,      \
-    int nlead, const Elem<T>::compute* cos_table, const Elem<T>::compute* sin_table,         \
-    const int* pair_axis, int rotary_dim, int d, Elem<T>::compute sign, int copy_tail,       \
-    i64 n1, i64 n2, unsigned grid, unsigned lanes, unsigned rows_per_block)                  \
-{                                                                                            \
-    blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
-    for (unsigned b = 0; b < grid; ++b)                                                      \
-        for (unsigned ty = 0; ty < rows_per_block; ++ty)                                     \
-            for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
-                blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
-                NAME(x1, o1, i1, x2, o2, i2, g, nlead, cos_table, sin_table, pair_axis,      \
-                     rotary_dim, d, sign, copy_tail, n1, n2);                                \
-            }                                                                                \
-}
-"""
-
-GXX = shutil.which("g++")
-
-
-@pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ is not on PATH: the CUDA C source's host run needs a C++ compiler")
-    folder = tmp_path_factory.mktemp("host_kernels")
-    source = folder / "rope_host.cpp"
-    storage = {
-        "float32": "float",
-        "float64": "double",
-        "float16": "f16_bits",
-        "bfloat16": "bf16_bits",
-    }
-    runners = "".join(f"HOST_RUN({name}, {storage[name.split('_')[1]]})\n" for name in KERNEL_NAMES)
-    source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + runners)
-    library = folder / "rope_host.so"
-    command = [GXX, "-std=c++14", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", str(source)]
-    result = subprocess.run([*command, "-o", str(library)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return ctypes.CDLL(str(library))
-
-
 def _host_launcher(library):
+    """The CuPy launcher's packing (launch_plan), run by the host build of the source."""
     from arrayrope._cuda_cupy import LANES, ROWS_PER_BLOCK, launch_plan
 
     def launch(rope, operands, cos, sin, inverse):
         name, grid, arrays, g, nlead, scalars = launch_plan(rope, operands, inverse)
-        g = np.ascontiguousarray(g)
-        cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
-        pair_axis = rope._pair_axis.astype(np.int32)
-        rotary_dim, d, sign, copy_tail, n1, n2 = scalars
-        compute = ctypes.c_double if sign.dtype == np.float64 else ctypes.c_float
-
-        def address(a):  # element 0, as CuPy passes an array
-            return ctypes.c_void_p(a.ctypes.data)
-
-        getattr(library, f"host_{name}")(
-            *(address(a) for a in arrays),
-            address(g),
-            ctypes.c_int(int(nlead)),
-            address(cos),
-            address(sin),
-            address(pair_axis),
-            ctypes.c_int(int(rotary_dim)),
-            ctypes.c_int(int(d)),
-            compute(float(sign)),
-            ctypes.c_int(int(copy_tail)),
-            ctypes.c_int64(int(n1)),
-            ctypes.c_int64(int(n2)),
-            ctypes.c_uint(grid[0]),
-            ctypes.c_uint(LANES),
-            ctypes.c_uint(ROWS_PER_BLOCK),
-        )
+        tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+        args = (*arrays, g, nlead, *tables, rope._pair_axis.astype(np.int32), *scalars)
+        run_kernel(library, name, grid, (LANES, ROWS_PER_BLOCK), args, lambda a: a.ctypes.data)
 
     return launch
 

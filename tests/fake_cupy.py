@@ -1,0 +1,330 @@
+"""A stand-in for CuPy on a machine without a GPU: host memory, CuPy's rules, the real kernels.
+
+``make(library)`` returns a module that arrayrope takes for ``cupy`` when it is placed in
+``sys.modules``. Its arrays hold NumPy arrays and keep CuPy's boundaries, so that the glue
+between arrayrope's API and its CUDA kernels runs here as it would on a GPU:
+
+- an array lives on a device (0 or 1) and an operation on it must run with that device current,
+  as CuPy requires, so a missing ``with x.device:`` fails here too;
+- it refuses implicit conversion to NumPy (``np.asarray`` raises TypeError, as CuPy's does) and
+  operations that mix it with NumPy arrays, so a silent host copy fails;
+- ``RawModule(...).get_function(name)(grid, block, args)`` checks that every array argument is
+  one of its arrays on the launching device, then runs the CUDA C source compiled for the host
+  (host_cuda.py) over that grid, addressing memory through ``data.ptr``.
+
+What it cannot show: CuPy's own behaviour where it differs from NumPy's, timing, and anything
+about real device memory. tests/test_gpu.py covers those on a GPU.
+"""
+
+import contextlib
+import types
+
+import host_cuda
+import numpy as np
+
+_current = [0]  # the stack's top is the current device
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = _current[-1] if device is None else int(device)
+
+    def __enter__(self):
+        _current.append(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        _current.pop()
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+
+def _here():
+    return _current[-1]
+
+
+class _Pointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _unwrap(value, device):
+    """NumPy values for an operation on ``device``: our arrays must live there; NumPy arrays
+    (not scalars) are refused, as CuPy refuses them."""
+    if isinstance(value, ndarray):
+        if value._device != device:
+            raise ValueError(
+                f"array on device {value._device} used while device {device} is current"
+            )
+        return value._a
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        raise TypeError(f"Unsupported type {type(value)}: a NumPy array mixed with a CuPy one")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v, device) for v in value)
+    return value
+
+
+def _wrap(value):
+    if isinstance(value, np.ndarray):
+        return ndarray(value, _here())
+    if isinstance(value, tuple):
+        return tuple(_wrap(v) for v in value)
+    return value
+
+
+class ndarray:  # noqa: N801 (CuPy's name)
+    """A device array: a NumPy array and the device it lives on."""
+
+    __slots__ = ("_a", "_device")
+
+    def __init__(self, a, device):
+        self._a = a
+        self._device = device
+
+    # What arrayrope and the tests read
+    shape = property(lambda self: self._a.shape)
+    strides = property(lambda self: self._a.strides)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    flags = property(lambda self: self._a.flags)
+    device = property(lambda self: Device(self._device))
+    data = property(lambda self: _Pointer(self._a.__array_interface__["data"][0]))
+
+    def _op(self, name, *args, **kwargs):
+        device = _here()
+        a = _unwrap(self, device)
+        return _wrap(getattr(a, name)(*_unwrap(args, device), **_unwrap(kwargs, device)))
+
+    def get(self):
+        return self._a.copy()
+
+    def reshape(self, *shape, **kw):
+        return self._op("reshape", *shape, **kw)
+
+    def astype(self, dtype, copy=True):
+        return self._op("astype", dtype, copy=copy)
+
+    def view(self, dtype):
+        return self._op("view", dtype)
+
+    def copy(self):
+        return self._op("copy")
+
+    def min(self):  # a 0-d device array, as CuPy's reductions give
+        return ndarray(np.asarray(_unwrap(self, _here()).min()), _here())
+
+    def max(self):
+        return ndarray(np.asarray(_unwrap(self, _here()).max()), _here())
+
+    def __getitem__(self, key):
+        device = _here()
+        key = _index(key, device)
+        return _wrap(np.asarray(_unwrap(self, device)[key]))
+
+    def __setitem__(self, key, value):
+        device = _here()
+        _unwrap(self, device)[_index(key, device)] = _unwrap(value, device)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
+            "construct a NumPy array explicitly."
+        )
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        device = _here()
+        result = getattr(ufunc, method)(*_unwrap(inputs, device), **_unwrap(kwargs, device))
+        if "out" in kwargs:
+            return kwargs["out"][0] if len(kwargs["out"]) == 1 else kwargs["out"]
+        return _wrap(np.asarray(result) if np.ndim(result) == 0 else result)
+
+    def __array_function__(self, func, kinds, args, kwargs):
+        device = _here()
+        return _wrap(func(*_unwrap(args, device), **_unwrap(kwargs, device)))
+
+    __hash__ = None
+
+    def __neg__(self):
+        return np.negative(self)
+
+    def __repr__(self):
+        return f"fake_cupy.ndarray({self._a!r}, device={self._device})"
+
+
+def _operator(name, reflected=False, in_place=False):
+    ufunc = getattr(np, name)
+    if in_place:
+        return lambda self, other: ufunc(self, other, out=(self,))
+    if reflected:
+        return lambda self, other: ufunc(other, self)
+    return lambda self, other: ufunc(self, other)
+
+
+for _dunder, _ufunc in [
+    ("add", "add"),
+    ("sub", "subtract"),
+    ("mul", "multiply"),
+    ("truediv", "true_divide"),
+    ("floordiv", "floor_divide"),
+    ("mod", "remainder"),
+]:
+    setattr(ndarray, f"__{_dunder}__", _operator(_ufunc))
+    setattr(ndarray, f"__r{_dunder}__", _operator(_ufunc, reflected=True))
+    setattr(ndarray, f"__i{_dunder}__", _operator(_ufunc, in_place=True))
+for _dunder, _ufunc in [
+    ("lt", "less"),
+    ("le", "less_equal"),
+    ("gt", "greater"),
+    ("ge", "greater_equal"),
+    ("eq", "equal"),
+    ("ne", "not_equal"),
+]:
+    setattr(ndarray, f"__{_dunder}__", _operator(_ufunc))
+
+
+def _index(key, device):
+    """An index for a device array: device arrays and NumPy arrays (which CuPy takes too)."""
+    if isinstance(key, tuple):
+        return tuple(_index(k, device) for k in key)
+    if isinstance(key, ndarray):
+        return _unwrap(key, device)
+    return key
+
+
+def _creator(func):
+    """A NumPy function that makes a new array, making it on the current device."""
+
+    def create(*args, **kwargs):
+        device = _here()
+        args = tuple(a._a if isinstance(a, ndarray) and a._device == device else a for a in args)
+        for a in args:
+            if isinstance(a, ndarray):
+                raise ValueError(
+                    f"array on device {a._device} used while device {device} is current"
+                )
+        return ndarray(np.asarray(func(*args, **kwargs)), device)
+
+    return create
+
+
+def _asarray(a, dtype=None):
+    if isinstance(a, ndarray):
+        if a._device != _here():  # CuPy copies across devices
+            return ndarray(a._a.astype(dtype or a.dtype), _here())
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    return ndarray(np.array(a, dtype=dtype), _here())
+
+
+def _ascontiguousarray(a, dtype=None):
+    a = _asarray(a, dtype)
+    return a if a._a.flags.c_contiguous else ndarray(np.ascontiguousarray(a._a), a._device)
+
+
+class _Function:
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        device = _here()
+        if self.module.device != device:
+            raise ValueError(f"kernel of device {self.module.device} launched on device {device}")
+        for i, a in enumerate(args):
+            if isinstance(a, np.ndarray) or (
+                not isinstance(a, ndarray) and not isinstance(a, np.generic)
+            ):
+                raise TypeError(f"kernel argument {i}: unsupported type {type(a)}")
+            if isinstance(a, ndarray) and a._device != device:
+                raise ValueError(f"kernel argument {i} is on device {a._device}, not {device}")
+        self.module.launches.append(self.name)
+        host_cuda.run_kernel(self.module.library, self.name, grid, block, args, _address)
+
+
+def _address(a):
+    return a.data.ptr
+
+
+class _RawModule:
+    def __init__(self, library, code, options=()):
+        if code != host_cuda.SOURCE:
+            raise ValueError("this stand-in runs arrayrope's CUDA source only")
+        self.library, self.options, self.device = library, options, _here()
+        self.launches = []
+
+    def get_function(self, name):
+        if name not in host_cuda.KERNEL_NAMES:
+            raise KeyError(name)
+        return _Function(self, name)
+
+
+def make(library):
+    """A fresh ``cupy`` module whose kernels run through ``library`` (host_cuda)."""
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray = ndarray
+    cupy.cuda = types.SimpleNamespace(Device=Device)
+    cupy.is_available = lambda: True
+    modules = []
+
+    def raw_module(code, options=()):
+        module = _RawModule(library, code, options)
+        modules.append(module)
+        return module
+
+    cupy.RawModule = raw_module
+    cupy.modules = modules  # for the tests: which modules were built, what each launched
+    cupy.asarray = _asarray
+    cupy.ascontiguousarray = _ascontiguousarray
+    for name in ("empty", "zeros", "ones", "full", "arange"):
+        setattr(cupy, name, _creator(getattr(np, name)))
+    for name in ("empty_like", "zeros_like", "full_like"):
+        setattr(cupy, name, _creator(getattr(np, name)))
+    for name in ("stack", "concatenate", "broadcast_to", "cos", "sin", "shares_memory"):
+        func = getattr(np, name)
+        setattr(
+            cupy,
+            name,
+            lambda *a, _f=func, **k: _wrap(_f(*_unwrap(a, _here()), **_unwrap(k, _here()))),
+        )
+    for name in ("float16", "float32", "float64", "int32", "int64", "uint16"):
+        setattr(cupy, name, getattr(np, name))
+    return cupy
+
+
+@contextlib.contextmanager
+def installed(library):
+    """``cupy`` is the stand-in inside the block, with arrayrope's device-side caches fresh
+    before and after (they are keyed by device id, which the real CuPy would share)."""
+    import sys
+
+    from arrayrope import _api, _cuda_cupy
+
+    def forget():
+        _api._cached_rope.cache_clear()
+        _api._small_ropes.clear()
+        _cuda_cupy._modules.clear()
+        _cuda_cupy._device_arrays.clear()
+
+    saved = sys.modules.get("cupy")
+    fake = make(library)
+    forget()
+    sys.modules["cupy"] = fake
+    try:
+        yield fake
+    finally:
+        if saved is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved
+        forget()

@@ -1,0 +1,182 @@
+"""The CuPy backend end to end through the public API, without a GPU.
+
+``fake_cupy`` stands in for CuPy: device arrays in host memory that keep CuPy's rules (a current
+device, no implicit host copies), and kernel launches that run the backend's CUDA C source
+compiled for the host. So everything between ``arrayrope.rotate(cupy_array)`` and the kernel is
+exercised here: dispatch, position checks on device positions, the per-device tables, the
+launcher's packing and device caches, outputs and errors. tests/test_gpu.py repeats the
+numerical checks with the real CuPy on a GPU.
+"""
+
+import numpy as np
+import pytest
+from conftest import BF16, DTYPES, GPU_PRESENT, assert_matches, bits, oracle, random_array
+
+import arrayrope as ar
+from arrayrope.scaling import DynamicNTK, YaRN
+
+if GPU_PRESENT:
+    pytest.skip(
+        "a GPU is present: tests/test_gpu.py runs the CuPy backend on it", allow_module_level=True
+    )
+
+import fake_cupy  # noqa: E402
+
+
+@pytest.fixture
+def cp(host_kernels):
+    with fake_cupy.installed(host_kernels) as cupy:
+        yield cupy
+
+
+def _launches(cp):
+    return [name for module in cp.modules for name in module.launches]
+
+
+@pytest.mark.parametrize("backend", ["cupy", "numpy"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary_dim", [16, 12])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("positions", ["int", "array", "large", "float", "none", "device"])
+def test_matches_oracle(cp, rng, backend, dtype, style, rotary_dim, inverse, positions):
+    x = random_array(rng, (2, 3, 5, 16), dtype)
+    pos = {
+        "int": int(rng.integers(0, 10**6)),
+        "array": rng.integers(0, 4096, 5),
+        "large": rng.integers(0, 2**31 - 1, (2, 1, 5)),  # past the cache: exact rows
+        "float": rng.random(5) * 1e5,
+        "none": None,
+        "device": cp.asarray(rng.integers(0, 10**6, (5,))),
+    }[positions]
+    kw = {"style": style, "rotary_dim": rotary_dim, "inverse": inverse}
+    dx = cp.asarray(x)
+    out = cp.full(x.shape, np.nan, dtype=dtype)  # poisoned: unwritten elements stay nan
+    y = ar.rotate(dx, pos, out=out, backend=backend, **kw)
+    assert y is out
+    host_pos = pos.get() if isinstance(pos, cp.ndarray) else pos
+    assert_matches(y.get(), oracle(x, host_pos, **kw), x)
+    np.testing.assert_array_equal(bits(y.get()[..., rotary_dim:]), bits(x[..., rotary_dim:]))
+    np.testing.assert_array_equal(bits(dx.get()), bits(x))  # x untouched
+    fresh = ar.rotate(dx, pos, backend=backend, **kw)
+    assert isinstance(fresh, cp.ndarray) and fresh.dtype == dtype and fresh.device.id == 0
+    np.testing.assert_array_equal(bits(fresh.get()), bits(y.get()))
+    assert _launches(cp) == ([f"rope_{dtype.name}_{style}"] * 2 if backend == "cupy" else [])
+
+
+def test_half_types_round_like_the_cpu_kernel(cp, rng):
+    for dtype in (np.dtype(np.float16), BF16):
+        x = random_array(rng, (4, 7, 16), dtype)
+        pos = rng.integers(0, 10**5, 7)
+        got = ar.rotate(cp.asarray(x), pos, style="half").get()
+        np.testing.assert_array_equal(bits(got), bits(ar.rotate(x, pos, style="half")))
+
+
+def test_fused_qkv_views_in_place_in_one_launch(cp, rng):
+    qkv = rng.standard_normal((2, 17, 3, 8, 16)).astype(np.float32)
+    d = cp.asarray(qkv)
+    q, k = d[:, :, 0], d[:, :, 1]
+    pos = np.arange(17)[:, None]
+    qr, kr = ar.rotate_qk(q, k, pos, out=(q, k), style="half")
+    assert qr is q and kr is k
+    assert _launches(cp) == ["rope_float32_half"]  # q and k in one launch
+    np.testing.assert_allclose(q.get(), oracle(qkv[:, :, 0], pos, style="half"), atol=2e-6)
+    np.testing.assert_allclose(k.get(), oracle(qkv[:, :, 1], pos, style="half"), atol=2e-6)
+    np.testing.assert_array_equal(d[:, :, 2].get(), qkv[:, :, 2])  # v untouched
+
+
+def test_grouped_query_heads_and_any_strides(cp, rng):
+    q = cp.asarray(rng.standard_normal((2, 8, 9, 16)).astype(np.float32))
+    k = cp.asarray(rng.standard_normal((2, 2, 9, 16)).astype(np.float32))
+    pos = rng.integers(0, 5000, (2, 1, 9))
+    qr, kr = ar.rotate_qk(q, k, pos)
+    np.testing.assert_allclose(qr.get(), ar.rotate(q.get(), pos), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(kr.get(), ar.rotate(k.get(), pos), rtol=0, atol=2e-6)
+    big = cp.asarray(rng.standard_normal((3, 4, 6, 32)).astype(np.float32))
+    for view in (big[::-1, 1:, ::2, :16], big[:, :, :, 16:], big[0, :, :, ::2]):
+        host = np.ascontiguousarray(view.get())
+        got = ar.rotate(view, np.arange(view.shape[-2]))
+        np.testing.assert_allclose(got.get(), ar.rotate(host), rtol=0, atol=2e-6)
+
+
+def test_multi_axis_and_scaled_ropes(cp, rng):
+    rope = ar.RoPE.sectioned(16, (2, 3, 3), style="half")
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    pos = rng.integers(0, 1000, (5, 3))
+    got = rope.rotate(cp.asarray(x), cp.asarray(pos))
+    np.testing.assert_allclose(got.get(), rope.rotate(x, pos), rtol=0, atol=2e-6)
+    x = rng.standard_normal((3, 80, 16)).astype(np.float32)
+    for rule in (YaRN(4.0, 64), DynamicNTK(2.0, 32)):  # the second's tables follow the length
+        scaled = ar.RoPE(16, scaling=rule)
+        got = scaled.rotate(cp.asarray(x))
+        np.testing.assert_allclose(got.get(), scaled.rotate(x), rtol=0, atol=2e-6)
+
+
+def test_cos_sin_on_the_device(cp, rng):
+    rope = ar.RoPE(16)
+    pos = rng.integers(0, 3000, (2, 5))
+    like = cp.zeros((1, 16), np.float32)
+    cos, sin = rope.cos_sin(pos, like=like)
+    assert isinstance(cos, cp.ndarray) and cos.dtype == np.float32 and cos.shape == (2, 5, 8)
+    expected_cos, expected_sin = rope.cos_sin(pos)
+    np.testing.assert_array_equal(cos.get(), expected_cos)
+    np.testing.assert_array_equal(sin.get(), expected_sin)
+
+
+def test_second_device_keeps_its_own_tables_kernels_and_results(cp, rng):
+    x = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    rope = ar.RoPE(16)
+    with cp.cuda.Device(1):
+        on_one = cp.asarray(x)
+    # Called with device 0 current: the work must follow x to device 1.
+    y = rope.rotate(on_one, np.arange(3))
+    assert y.device.id == 1
+    np.testing.assert_allclose(y.get(), rope.rotate(x, np.arange(3)), rtol=0, atol=2e-6)
+    assert [m.device for m in cp.modules] == [1]
+    assert (1, np.dtype(np.float32)) in rope._freq_set(None).tables._tables
+    y0 = rope.rotate(cp.asarray(x), np.arange(3))
+    assert y0.device.id == 0 and [m.device for m in cp.modules] == [1, 0]
+    with pytest.raises(ar.RopeValueError, match="q is on device 0, k on device 1"):
+        rope.rotate_qk(cp.asarray(x), on_one)
+    with pytest.raises(ar.RopeValueError, match="out is on device 0, x on device 1"):
+        rope.rotate(on_one, out=cp.empty(x.shape, np.float32))
+
+
+def test_mixing_host_and_device_is_an_error(cp):
+    x = cp.zeros((2, 8), np.float32)
+    with pytest.raises(ar.RopeTypeError, match="out must be a CuPy array"):
+        ar.rotate(x, out=np.zeros((2, 8), np.float32))
+    with pytest.raises(ar.RopeTypeError, match="q and k must be arrays of one kind"):
+        ar.rotate_qk(x, np.zeros((2, 8), np.float32))
+    with pytest.raises(ar.RopeTypeError, match="pos is a CuPy array"):
+        ar.rotate(np.zeros((2, 8), np.float32), cp.arange(2))
+    with pytest.raises(ar.RopeValueError, match="backend='numba' takes NumPy arrays"):
+        ar.rotate(x, backend="numba")
+
+
+@pytest.mark.parametrize(
+    "pos, message",
+    [
+        ([-1, 2], "non-negative"),
+        ([0.5, np.nan], "finite"),
+        ([0, 2**31], "< 2\\*\\*31"),
+    ],
+)
+def test_bad_device_positions_leave_out_untouched(cp, pos, message):
+    x = cp.ones((2, 8), np.float32)
+    out = cp.full((2, 8), 7.0, dtype=np.float32)
+    with pytest.raises(ar.RopeValueError, match=message):
+        ar.rotate(x, cp.asarray(np.array(pos)), out=out)
+    assert (out.get() == 7.0).all() and (x.get() == 1.0).all()
+    assert _launches(cp) == []
+
+
+def test_decode_step(cp, rng):
+    # The CPU's small-input path must not take device arrays.
+    x = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+    dx = cp.asarray(x)
+    got = ar.rotate(dx, 4095)
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_allclose(got.get(), oracle(x, 4095), rtol=0, atol=3e-6)
+    assert ar.rotate(dx, 4095, out=dx) is dx
+    np.testing.assert_array_equal(dx.get(), got.get())
