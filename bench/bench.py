@@ -275,6 +275,19 @@ def gpu_rows(shapes, dtypes, repeats):
         result = benchmark(fn, n_repeat=repeats, n_warmup=3)
         return float(np.median(result.gpu_times)), float(np.median(result.cpu_times))
 
+    def measure(row, fn, style):
+        """Time ``fn`` into ``row``; a failure is recorded in the row, not raised, so that one
+        broken case costs its own row and not the rest of a device session's table."""
+        row.update({"device": "gpu", "style": style, "ms": None, "host us": None})
+        row.update({"GB/s": None, "copy GB/s": None, "of ceiling": None})
+        try:
+            t, host = device_time(fn)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            row["error"] = f"{type(error).__name__}: {error}"[:200]
+            return False
+        row["ms"], row["host us"] = t * 1e3, host * 1e6
+        return True
+
     rows = []
     for shape in shapes:
         for dtype in dtypes:
@@ -296,40 +309,20 @@ def gpu_rows(shapes, dtypes, repeats):
                     ),
                 }
                 for name, fn in cases.items():
-                    t, host = device_time(fn)
-                    rows.append(
-                        {
-                            "device": "gpu",
-                            "op": name,
-                            "shape": shape,
-                            "dtype": np.dtype(dtype).name,
-                            "style": style,
-                            "ms": t * 1e3,
-                            "GB/s": nbytes / t / 1e9,
-                            "copy GB/s": nbytes / copy / 1e9,
-                            "of ceiling": copy / t,
-                            "host us": host * 1e6,
-                        }
-                    )
+                    row = {"op": name, "shape": shape, "dtype": np.dtype(dtype).name}
+                    timed = measure(row, fn, style)
+                    if timed:
+                        t = row["ms"] / 1e3
+                        row["GB/s"] = nbytes / t / 1e9
+                        row["copy GB/s"] = nbytes / copy / 1e9
+                        row["of ceiling"] = copy / t
+                    rows.append(row)
     x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 32, 1, 128)), np.float32)
     out = cupy.empty_like(x)
     for backend in ("cupy", "numba-cuda"):
-        fn = lambda: ar.rotate(x, 1234, out=out, backend=backend)  # noqa: E731
-        t, host = device_time(fn)
-        rows.append(
-            {
-                "device": "gpu",
-                "op": f"decode {backend}",
-                "shape": (1, 32, 1, 128),
-                "dtype": "float32",
-                "style": "interleaved",
-                "ms": t * 1e3,
-                "GB/s": None,
-                "copy GB/s": None,
-                "of ceiling": None,
-                "host us": host * 1e6,
-            }
-        )
+        row = {"op": f"decode {backend}", "shape": (1, 32, 1, 128), "dtype": "float32"}
+        measure(row, lambda: ar.rotate(x, 1234, out=out, backend=backend), "interleaved")
+        rows.append(row)
     return rows
 
 
@@ -401,6 +394,9 @@ def main():
         )
     if gpu is None:
         print("\n(no GPU rows: CuPy is not installed or sees no GPU)")
+    for r in gpu or []:
+        if "error" in r:
+            print(f"GPU {r['op']} {r['shape']} {r['dtype']} {r['style']} failed: {r['error']}")
     if not args.no_dask and not args.no_cpu:
         # In its own process: this one holds large arrays by now, which skews the cluster.
         command = [sys.executable, os.path.join(HERE, "dask_bench.py")]

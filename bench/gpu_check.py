@@ -55,19 +55,33 @@ def main():
         f"\n# {device}, CuPy {cupy.__version__}, CuPy holds bfloat16 arrays: {bf16}; "
         f"tests {'passed' if tests.returncode == 0 else 'FAILED'}; {time.time() - start:.0f} s"
     )
-    print("| op | shape | dtype | style | us | GB/s | copy GB/s | of copy | host us/call |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    for r in rows or []:
-
-        def f(key, spec):
-            return "-" if r.get(key) is None else format(r[key], spec)
-
-        print(
-            f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | {r['ms'] * 1e3:.1f} | "
-            f"{f('GB/s', '.0f')} | {f('copy GB/s', '.0f')} | {f('of ceiling', '.2f')} | "
-            f"{f('host us', '.1f')} |"
-        )
+    print(table(rows))
     sys.exit(tests.returncode)
+
+
+def table(rows):
+    """The benchmark rows as a Markdown table, failed cases listed after it."""
+
+    def f(r, key, spec):
+        return "-" if r.get(key) is None else format(r[key], spec)
+
+    lines = [
+        "| op | shape | dtype | style | us | GB/s | copy GB/s | of copy | host us/call |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows or []:
+        us = None if r["ms"] is None else r["ms"] * 1e3
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | "
+            f"{'-' if us is None else format(us, '.1f')} | {f(r, 'GB/s', '.0f')} | "
+            f"{f(r, 'copy GB/s', '.0f')} | {f(r, 'of ceiling', '.2f')} | {f(r, 'host us', '.1f')} |"
+        )
+    lines += [
+        f"FAILED {r['op']} {r['shape']} {r['dtype']} {r['style']}: {r['error']}"
+        for r in rows or []
+        if "error" in r
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

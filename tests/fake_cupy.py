@@ -17,6 +17,8 @@ about real device memory. tests/test_gpu.py covers those on a GPU.
 """
 
 import contextlib
+import sys
+import time
 import types
 
 import host_cuda
@@ -284,7 +286,12 @@ def make(library):
 
     cupy.RawModule = raw_module
     cupy.modules = modules  # for the tests: which modules were built, what each launched
+    cupy.__version__ = "0.0 (tests/fake_cupy.py)"
+    cupy.cuda.runtime = types.SimpleNamespace(
+        getDeviceProperties=lambda device: {"name": b"fake_cupy (host memory)"}
+    )
     cupy.asarray = _asarray
+    cupy.copyto = lambda dst, src: _unwrap(dst, _here()).__setitem__(..., _unwrap(src, _here()))
     cupy.ascontiguousarray = _ascontiguousarray
     for name in ("empty", "zeros", "ones", "full", "arange"):
         setattr(cupy, name, _creator(getattr(np, name)))
@@ -302,11 +309,23 @@ def make(library):
     return cupy
 
 
+def _benchmark(fn, n_repeat=10000, n_warmup=10):
+    """cupyx.profiler.benchmark's shape: per-repeat times in seconds (host clock for both)."""
+    for _ in range(n_warmup):
+        fn()
+    times = []
+    for _ in range(n_repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return types.SimpleNamespace(gpu_times=np.array([times]), cpu_times=np.array(times))
+
+
 @contextlib.contextmanager
 def installed(library):
-    """``cupy`` is the stand-in inside the block, with arrayrope's device-side caches fresh
-    before and after (they are keyed by device id, which the real CuPy would share)."""
-    import sys
+    """``cupy`` (and ``cupyx.profiler``) are the stand-in inside the block, with arrayrope's
+    device-side caches fresh before and after (they are keyed by device id, which the real CuPy
+    would share)."""
 
     from arrayrope import _api, _cuda_cupy
 
@@ -316,15 +335,21 @@ def installed(library):
         _cuda_cupy._modules.clear()
         _cuda_cupy._device_arrays.clear()
 
-    saved = sys.modules.get("cupy")
     fake = make(library)
+    profiler = types.ModuleType("cupyx.profiler")
+    profiler.benchmark = _benchmark
+    cupyx = types.ModuleType("cupyx")
+    cupyx.profiler = profiler
+    stand_ins = {"cupy": fake, "cupyx": cupyx, "cupyx.profiler": profiler}
+    saved = {name: sys.modules.get(name) for name in stand_ins}
     forget()
-    sys.modules["cupy"] = fake
+    sys.modules.update(stand_ins)
     try:
         yield fake
     finally:
-        if saved is None:
-            del sys.modules["cupy"]
-        else:
-            sys.modules["cupy"] = saved
+        for name, module in saved.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
         forget()

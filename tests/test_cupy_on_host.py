@@ -8,6 +8,8 @@ launcher's packing and device caches, outputs and errors. tests/test_gpu.py repe
 numerical checks with the real CuPy on a GPU.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import BF16, DTYPES, GPU_PRESENT, assert_matches, bits, oracle, random_array
@@ -180,3 +182,30 @@ def test_decode_step(cp, rng):
     np.testing.assert_allclose(got.get(), oracle(x, 4095), rtol=0, atol=3e-6)
     assert ar.rotate(dx, 4095, out=dx) is dx
     np.testing.assert_array_equal(dx.get(), got.get())
+
+
+def test_gpu_benchmark_script_runs(cp, monkeypatch):
+    # bench/gpu_check.py's benchmark and table, on the stand-in: a device session must not be
+    # lost to a slip in the script. A case that fails must cost its own row only: numba-cuda,
+    # which cannot take the stand-in's arrays, is made to fail here on purpose.
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
+    from arrayrope import _api
+    from bench.bench import gpu_rows
+    from bench.gpu_check import table
+
+    def broken(*args):
+        raise RuntimeError("numba-cuda is not run on the stand-in")
+
+    monkeypatch.setitem(_api._launchers, "numba-cuda", broken)
+    rows = gpu_rows([(1, 2, 8, 16)], [np.float32, np.float16, BF16], repeats=2)
+    assert len(rows) == 3 * 2 * 3 + 2
+    for row in rows:
+        if "numba-cuda" in row["op"]:
+            assert row["error"] == "RuntimeError: numba-cuda is not run on the stand-in"
+            assert row["ms"] is None
+        else:
+            assert "error" not in row and row["ms"] > 0 and row["host us"] > 0
+            assert row["op"].startswith("decode") or row["of ceiling"] > 0
+    text = table(rows)
+    assert text.count("\n| cupy rotate out= |") == 6
+    assert text.count("\nFAILED ") == 7 and "FAILED decode numba-cuda" in text
