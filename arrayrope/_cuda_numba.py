@@ -4,8 +4,10 @@ The same maths as the CuPy kernels, written independently in Python, for users w
 kernels and as a second GPU implementation for the tests to compare. Under Numba's CUDA simulator
 (NUMBA_ENABLE_CUDASIM=1) the same kernels run on the CPU, which is how CI tests them.
 
-Operands are flat 1-D views with element offsets (``arrayrope._layout``); launch geometry matches
-the CuPy backend: ``block=(32, ROWS_PER_BLOCK)``, warp lanes across the pairs of a row.
+Operands are flat 1-D views with element offsets (``arrayrope._layout``). Launch geometry:
+``block=(32, ROWS_PER_BLOCK)``, warp lanes across the pairs of a row, one row per warp, element
+by element. It is the plain form of the CuPy kernels, which add vector accesses and several
+rows per warp (``arrayrope._cuda_cupy``).
 """
 
 import numpy as np

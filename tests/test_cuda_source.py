@@ -61,21 +61,30 @@ def test_compiles_without_warnings(tmp_path, arch):
     assert cubin.returncode == 0, cubin.stderr
 
 
-def test_one_entry_point_per_dtype_and_style():
-    assert len(KERNEL_NAMES) == 8
+def test_entry_points_per_dtype_and_style():
+    names = set(KERNEL_NAMES)
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        for style in ("interleaved", "half"):
+            assert f"rope_{dtype}_{style}" in names  # element-wise: any alignment
+    # Vector entry points: P pairs a lane, one access of at most 16 bytes
+    assert {"rope_float32_interleaved_v2", "rope_float32_half_v4", "rope_float16_half_v4"} <= names
+    assert not {"rope_float32_interleaved_v4", "rope_float64_half_v4"} & names
     for name in KERNEL_NAMES:
         assert f"ROPE_ENTRY({name}," in SOURCE
 
 
-def _host_launcher(library):
-    """The CuPy launcher's packing (launch_plan), run by the host build of the source."""
-    from arrayrope._cuda_cupy import LANES, ROWS_PER_BLOCK, launch_plan
+def _host_launcher(library, launched=None):
+    """The CuPy launcher's packing (launch_plan), run by the host build of the source; the
+    names of the entry points it ran are appended to ``launched``."""
+    from arrayrope._cuda_cupy import launch_plan
 
     def launch(rope, operands, cos, sin, inverse):
-        name, grid, arrays, g, nlead, scalars = launch_plan(rope, operands, inverse)
         tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+        name, grid, block, arrays, g, nlead, scalars = launch_plan(rope, operands, tables, inverse)
         args = (*arrays, g, nlead, *tables, rope._pair_axis.astype(np.int32), *scalars)
-        run_kernel(library, name, grid, (LANES, ROWS_PER_BLOCK), args, lambda a: a.ctypes.data)
+        run_kernel(library, name, grid, block, args, lambda a: a.ctypes.data)
+        if launched is not None:
+            launched.append(name)
 
     return launch
 
@@ -99,6 +108,51 @@ def test_source_runs_on_the_host_and_matches_the_oracle(
     if dtype.itemsize == 2:  # one rounding of the same float32 value as the CPU kernel's
         cpu = ar.rotate(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
         np.testing.assert_array_equal(bits(y), bits(cpu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("d, rotary_dim", [(64, 64), (128, 128), (256, 256), (160, 128)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "unaligned", "sectioned"])
+def test_source_on_the_host_vector_entry_points(host_kernels, dtype, style, d, rotary_dim, layout):
+    # Lanes take P pairs as one access where every row is aligned: each vector entry point
+    # against the oracle, and the element-wise one where a row is not aligned.
+    rng = np.random.default_rng()
+    big = random_array(rng, (3, 6, d + 2), dtype)
+    x = {
+        "contiguous": big[..., :d],  # rows d + 2 apart: aligned only for some dtypes
+        "strided": big[::-2, ::-1, 2:],  # starts 4 bytes in at least
+        "unaligned": big[:, :, 1 : d + 1],  # odd element offset: element-wise
+        "sectioned": big[..., :d],
+    }[layout]
+    x = np.ascontiguousarray(x) if layout == "contiguous" else x
+    if layout == "sectioned":
+        quarter = rotary_dim // 8  # sections that end inside a lane's P pairs
+        sections = (quarter + 1, quarter - 1, 2 * quarter)
+        rope = ar.RoPE.sectioned(d, sections, style=style, rotary_dim=rotary_dim)
+        pos = rng.integers(0, 10**5, size=(6, 3))
+        expected = rope.rotate(x.astype(np.float64), pos)
+    else:
+        rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+        pos = rng.integers(0, 10**6, size=6)
+        expected = oracle(x, pos, style=style, rotary_dim=rotary_dim)
+    out = poisoned(x.shape, dtype)
+    launched = []
+    (y,) = run_launcher(_host_launcher(host_kernels, launched), rope, (x,), pos, outs=(out,))
+    assert_matches(y, expected, x)
+    np.testing.assert_array_equal(bits(y[..., rotary_dim:]), bits(x[..., rotary_dim:]))
+    (name,) = launched
+    if layout == "unaligned":
+        assert name == f"rope_{dtype.name}_{style}"
+    elif layout == "contiguous":
+        # The widest access of at most 16 bytes that leaves no lane without pairs
+        per_pair = 1 if style == "half" else 2
+        p = max(
+            p
+            for p in (1, 2, 4)
+            if p * per_pair * dtype.itemsize <= 16 and (p == 1 or rotary_dim // 2 >= 32 * p)
+        )
+        assert name == f"rope_{dtype.name}_{style}" + ("" if p * per_pair == 1 else f"_v{p}")
 
 
 @pytest.mark.parametrize("layout", ["reverse", "fused", "features", "inplace", "float-pos"])

@@ -63,7 +63,9 @@ def test_matches_oracle(cp, rng, backend, dtype, style, rotary_dim, inverse, pos
     fresh = ar.rotate(dx, pos, backend=backend, **kw)
     assert isinstance(fresh, cp.ndarray) and fresh.dtype == dtype and fresh.device.id == 0
     np.testing.assert_array_equal(bits(fresh.get()), bits(y.get()))
-    assert _launches(cp) == ([f"rope_{dtype.name}_{style}"] * 2 if backend == "cupy" else [])
+    launched = _launches(cp)
+    assert len(launched) == (2 if backend == "cupy" else 0)
+    assert all(name.startswith(f"rope_{dtype.name}_{style}") for name in launched)
 
 
 def test_half_types_round_like_the_cpu_kernel(cp, rng):
@@ -81,7 +83,7 @@ def test_fused_qkv_views_in_place_in_one_launch(cp, rng):
     pos = np.arange(17)[:, None]
     qr, kr = ar.rotate_qk(q, k, pos, out=(q, k), style="half")
     assert qr is q and kr is k
-    assert _launches(cp) == ["rope_float32_half"]  # q and k in one launch
+    assert _launches(cp) == ["rope_float32_half"]  # q and k in one launch (d=16: element-wise)
     np.testing.assert_allclose(q.get(), oracle(qkv[:, :, 0], pos, style="half"), atol=2e-6)
     np.testing.assert_allclose(k.get(), oracle(qkv[:, :, 1], pos, style="half"), atol=2e-6)
     np.testing.assert_array_equal(d[:, :, 2].get(), qkv[:, :, 2])  # v untouched
