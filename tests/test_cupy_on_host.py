@@ -8,6 +8,9 @@ launcher's packing and device caches, outputs and errors. tests/test_gpu.py repe
 numerical checks with the real CuPy on a GPU.
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -211,3 +214,30 @@ def test_gpu_benchmark_script_runs(cp, monkeypatch):
     text = table(rows)
     assert text.count("\n| cupy rotate out= |") == 6
     assert text.count("\nFAILED ") == 7 and "FAILED decode numba-cuda" in text
+
+
+GPU_TESTS_ON_THE_STAND_IN = """
+import ctypes, sys
+import conftest  # the simulator switch, as in any test process
+import fake_cupy
+import pytest
+
+with fake_cupy.installed(ctypes.CDLL(sys.argv[1])):
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", "not numba and not agree", sys.argv[2]]))
+"""
+
+
+def test_gpu_test_file_passes_on_the_stand_in(host_kernels):
+    # tests/test_gpu.py runs only where a GPU is; its CuPy-only tests run here on the
+    # stand-in, so that the file itself is known to work before a device session depends on it.
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_TESTS_ON_THE_STAND_IN, host_kernels._name, "test_gpu.py"],
+        cwd=tests,
+        env={**os.environ, "PYTHONPATH": str(tests)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout

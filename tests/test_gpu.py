@@ -69,6 +69,23 @@ def test_matches_oracle(backend, dtype, style, rotary_dim, inverse, positions):
     assert_matches(_host(y, dtype), oracle(x, host_pos, **kw), x)
 
 
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_vector_entry_points(dtype, style, d, offset):
+    # The CuPy kernels' P-pairs-per-access entry points (rows 0, 1 or 2 elements in: aligned
+    # for some dtypes, element-wise for the rest), against the oracle with a poisoned out.
+    rng = np.random.default_rng()
+    big = rng.standard_normal((3, 5, 7, d + 4)).astype(dtype)
+    x = _device(big)[..., offset : offset + d]
+    pos = rng.integers(0, 10**6, (5, 1))
+    host_x = big[..., offset : offset + d]
+    out = cupy.full(x.shape, np.nan, dtype=x.dtype) if dtype != BF16 else None
+    y = ar.rotate(x, pos, style=style, out=out, backend="cupy")
+    assert_matches(_host(y, dtype), oracle(host_x, pos, style=style), host_x)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_inplace_and_qk(backend):
     rng = np.random.default_rng()
