@@ -14,6 +14,7 @@ one grid (one launch for rotate_qk).
 
 import numpy as np
 
+from ._device import on_device
 from ._errors import BackendUnavailableError
 from ._layout import geometry, rows
 
@@ -298,7 +299,6 @@ def require_cupy():
 
 
 _modules = {}
-_device_arrays = {}
 
 
 def _module(cupy):
@@ -308,17 +308,6 @@ def _module(cupy):
         module = cupy.RawModule(code=SOURCE, options=("--std=c++14",))
         _modules[device] = module
     return module
-
-
-def _on_device(cupy, key, host):
-    """A small host array copied to the current device once and kept (geometry, pair axes)."""
-    key = (cupy.cuda.Device().id, key)
-    found = _device_arrays.get(key)
-    if found is None:
-        if len(_device_arrays) > 512:
-            _device_arrays.clear()
-        found = _device_arrays[key] = cupy.asarray(host)
-    return found
 
 
 def _address(a):
@@ -391,9 +380,9 @@ def launch(rope, operands, cos, sin, inverse):
         name, grid, block, arrays, g_host, nlead, scalars = launch_plan(
             rope, operands, tables, inverse
         )
-        g = _on_device(cupy, ("g", g_host.shape, g_host.tobytes()), g_host)
-        pair_axis = _on_device(
-            cupy, ("axes", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
+        g = on_device(cupy, ("g", g_host.shape, g_host.tobytes()), g_host)
+        pair_axis = on_device(
+            cupy, ("axes", "int32", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
         )
         _module(cupy).get_function(name)(
             grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)

@@ -12,6 +12,7 @@ rows per warp (``arrayrope._cuda_cupy``).
 
 import numpy as np
 
+from ._device import on_device
 from ._errors import BackendUnavailableError
 from ._layout import flat_view, geometry, rows
 
@@ -171,11 +172,17 @@ def launch(rope, operands, cos, sin, inverse):
             if id(a) not in moved:
                 moved[id(a)] = (a, cuda.to_device(a))
             return moved[id(a)][1]
+
+        def kept(key, a):
+            return to_device(a)
     else:
         import cupy
 
         moved = None
-        to_device = cupy.asarray
+        to_device = cupy.asarray  # the operands and tables are on the device already
+
+        def kept(key, a):  # small host arrays: copied once per device, not per call
+            return on_device(cupy, key, a)
 
     g = geometry(operands, flat=True)
     bf16_bits = x0.dtype.itemsize == 2 and x0.dtype != np.float16
@@ -199,10 +206,10 @@ def launch(rope, operands, cos, sin, inverse):
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     kernel[(blocks,), (LANES, ROWS_PER_BLOCK)](
         *args,
-        to_device(g),
+        kept(("g", g.shape, g.tobytes()), g),
         to_device(cos),
         to_device(sin),
-        to_device(rope._pair_axis),
+        kept(("axes", "int64", rope._pair_axis.tobytes()), rope._pair_axis),
         np.int64(rope.rotary_dim),
         np.int64(d),
         compute(-1.0 if inverse else 1.0),

@@ -222,12 +222,17 @@ def _creator(func):
     return create
 
 
+transfers = []  # (shape, dtype) of every host-to-device copy, for the tests to count
+
+
 def _asarray(a, dtype=None):
     if isinstance(a, ndarray):
         if a._device != _here():  # CuPy copies across devices
             return ndarray(a._a.astype(dtype or a.dtype), _here())
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-    return ndarray(np.array(a, dtype=dtype), _here())
+    copy = np.array(a, dtype=dtype)
+    transfers.append((copy.shape, copy.dtype))
+    return ndarray(copy, _here())
 
 
 def _ascontiguousarray(a, dtype=None):
@@ -286,6 +291,7 @@ def make(library):
 
     cupy.RawModule = raw_module
     cupy.modules = modules  # for the tests: which modules were built, what each launched
+    cupy.transfers = transfers
     cupy.__version__ = "0.0 (tests/fake_cupy.py)"
     cupy.cuda.runtime = types.SimpleNamespace(
         getDeviceProperties=lambda device: {"name": b"fake_cupy (host memory)"}
@@ -327,13 +333,14 @@ def installed(library):
     device-side caches fresh before and after (they are keyed by device id, which the real CuPy
     would share)."""
 
-    from arrayrope import _api, _cuda_cupy
+    from arrayrope import _api, _cuda_cupy, _device
 
     def forget():
         _api._cached_rope.cache_clear()
         _api._small_ropes.clear()
         _cuda_cupy._modules.clear()
-        _cuda_cupy._device_arrays.clear()
+        _device._kept.clear()
+        transfers.clear()
 
     fake = make(library)
     profiler = types.ModuleType("cupyx.profiler")

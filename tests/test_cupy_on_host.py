@@ -149,6 +149,37 @@ def test_second_device_keeps_its_own_tables_kernels_and_results(cp, rng):
         rope.rotate(on_one, out=cp.empty(x.shape, np.float32))
 
 
+def test_cos_sin_on_another_device(cp, rng):
+    rope = ar.RoPE(16)
+    with cp.cuda.Device(1):
+        like = cp.zeros((1, 16), np.float32)
+        x = cp.asarray(rng.standard_normal((3, 16)).astype(np.float32))
+    cos, sin = rope.cos_sin(np.arange(3), like=like)  # device 0 current
+    assert cos.device.id == 1 and sin.device.id == 1
+    assert rope.rotate(x, np.arange(3)).device.id == 1  # the tables it kept are on device 1
+
+
+@pytest.mark.parametrize("backend", ["cupy", "numpy"])
+def test_steps_copy_nothing_to_the_device(cp, rng, backend):
+    # Decode steps (a new int position each) and repeated default positions find everything
+    # they need on the device already: a copy from the host would cost microseconds and wait.
+    rope = ar.RoPE(128)
+    x = cp.asarray(rng.standard_normal((1, 32, 1, 128)).astype(np.float32))
+    out = cp.empty(x.shape, np.float32)
+    rope.rotate(x, 0, out=out, backend=backend)
+    rope.rotate(x, out=out, backend=backend)
+    rope.rotate_qk(x, x, 0, out=(out, cp.empty_like(x)), backend=backend)
+    cp.transfers.clear()
+    for step in range(1, 40):
+        y = rope.rotate(x, step, out=out, backend=backend)
+        np.testing.assert_allclose(y.get(), oracle(x.get(), step), rtol=0, atol=3e-6)
+        rope.rotate(x, out=out, backend=backend)
+        rope.rotate_qk(x, x, step, out=(out, cp.empty_like(x)), backend=backend)
+    assert cp.transfers == []
+    rope.rotate(x, np.array([7]), out=out, backend=backend)  # a host array: its one copy
+    assert cp.transfers == [((1, 1), np.dtype(np.int64))]
+
+
 def test_mixing_host_and_device_is_an_error(cp):
     x = cp.zeros((2, 8), np.float32)
     with pytest.raises(ar.RopeTypeError, match="out must be a CuPy array"):
@@ -223,7 +254,8 @@ import fake_cupy
 import pytest
 
 with fake_cupy.installed(ctypes.CDLL(sys.argv[1])):
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", "not numba and not agree", sys.argv[2]]))
+    args = ["-q", "-p", "no:cacheprovider", "-k", "not numba and not agree", sys.argv[2]]
+    sys.exit(pytest.main(args))
 """
 
 
