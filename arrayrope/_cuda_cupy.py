@@ -299,15 +299,20 @@ def require_cupy():
 
 
 _modules = {}
+_functions = {}
 
 
-def _module(cupy):
+def _function(cupy, name):
+    """Entry point ``name`` of the module on the current device: compiled once per device (all
+    entry points together), each looked up once (a lookup is a driver call)."""
     device = cupy.cuda.Device().id
-    module = _modules.get(device)
-    if module is None:
-        module = cupy.RawModule(code=SOURCE, options=("--std=c++14",))
-        _modules[device] = module
-    return module
+    function = _functions.get((device, name))
+    if function is None:
+        module = _modules.get(device)
+        if module is None:
+            module = _modules[device] = cupy.RawModule(code=SOURCE, options=("--std=c++14",))
+        function = _functions[(device, name)] = module.get_function(name)
+    return function
 
 
 def _address(a):
@@ -384,6 +389,6 @@ def launch(rope, operands, cos, sin, inverse):
         pair_axis = on_device(
             cupy, ("axes", "int32", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
         )
-        _module(cupy).get_function(name)(
+        _function(cupy, name)(
             grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)
         )

@@ -339,6 +339,7 @@ def installed(library):
         _api._cached_rope.cache_clear()
         _api._small_ropes.clear()
         _cuda_cupy._modules.clear()
+        _cuda_cupy._functions.clear()
         _device._kept.clear()
         transfers.clear()
 
