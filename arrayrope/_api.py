@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from ._device import on_device
 from ._errors import RopeError, RopeTypeError, RopeValueError
 
 POSITION_LIMIT = 2**31
@@ -212,6 +213,7 @@ _cpu = None  # imported on first use: Numba loads with it
 _INT64 = np.dtype(np.int64)
 _aranges = {}
 _scalars = {}
+_ZERO = np.zeros((1, 1), dtype=np.int64)
 
 
 def _default_positions(rope, leads):
@@ -359,14 +361,12 @@ def _device_rows(cupy, idx, cos, sin):
     a decode step copies nothing to the device. Any other host idx is copied."""
     if _family(idx) == "cupy":
         return idx, cos, sin
-    from ._device import on_device
-
     if idx.ndim == 2 and _aranges.get(idx.shape[0]) is idx:
         return on_device(cupy, ("arange", idx.shape[0]), idx), cos, sin
     if idx.shape == (1, 1):
         p = int(idx[0, 0])
         if _scalars.get(p) is idx:
-            return on_device(cupy, "zero", idx * 0), cos[p : p + 1], sin[p : p + 1]
+            return on_device(cupy, "zero", _ZERO), cos[p : p + 1], sin[p : p + 1]
     return cupy.asarray(idx), cos, sin
 
 
