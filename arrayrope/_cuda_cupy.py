@@ -300,6 +300,7 @@ def require_cupy():
 
 _modules = {}
 _functions = {}
+last_entry = None  # the entry point of the latest launch, for benchmarks and debugging
 
 
 def _function(cupy, name):
@@ -392,3 +393,5 @@ def launch(rope, operands, cos, sin, inverse):
         _function(cupy, name)(
             grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)
         )
+    global last_entry
+    last_entry = name

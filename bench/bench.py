@@ -286,6 +286,10 @@ def gpu_rows(shapes, dtypes, repeats):
             row["error"] = f"{type(error).__name__}: {error}"[:200]
             return False
         row["ms"], row["host us"] = t * 1e3, host * 1e6
+        if row["op"].startswith(("cupy rotate", "decode cupy")):
+            from arrayrope import _cuda_cupy
+
+            row["entry"] = _cuda_cupy.last_entry  # which kernel variant ran
         return True
 
     rows = []

@@ -66,15 +66,16 @@ def table(rows):
         return "-" if r.get(key) is None else format(r[key], spec)
 
     lines = [
-        "| op | shape | dtype | style | us | GB/s | copy GB/s | of copy | host us/call |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| op | shape | dtype | style | us | GB/s | copy GB/s | of copy | host us/call | entry |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows or []:
         us = None if r["ms"] is None else r["ms"] * 1e3
         lines.append(
             f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['style']} | "
             f"{'-' if us is None else format(us, '.1f')} | {f(r, 'GB/s', '.0f')} | "
-            f"{f(r, 'copy GB/s', '.0f')} | {f(r, 'of ceiling', '.2f')} | {f(r, 'host us', '.1f')} |"
+            f"{f(r, 'copy GB/s', '.0f')} | {f(r, 'of ceiling', '.2f')} | "
+            f"{f(r, 'host us', '.1f')} | {r.get('entry') or '-'} |"
         )
     lines += [
         f"FAILED {r['op']} {r['shape']} {r['dtype']} {r['style']}: {r['error']}"

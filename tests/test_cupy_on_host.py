@@ -233,7 +233,7 @@ def test_gpu_benchmark_script_runs(cp, monkeypatch):
         raise RuntimeError("numba-cuda is not run on the stand-in")
 
     monkeypatch.setitem(_api._launchers, "numba-cuda", broken)
-    rows = gpu_rows([(1, 2, 8, 16)], [np.float32, np.float16, BF16], repeats=2)
+    rows = gpu_rows([(1, 2, 4, 128)], [np.float32, np.float16, BF16], repeats=2)
     assert len(rows) == 3 * 2 * 3 + 2
     for row in rows:
         if "numba-cuda" in row["op"]:
@@ -242,6 +242,16 @@ def test_gpu_benchmark_script_runs(cp, monkeypatch):
         else:
             assert "error" not in row and row["ms"] > 0 and row["host us"] > 0
             assert row["op"].startswith("decode") or row["of ceiling"] > 0
+    entries = {
+        (row["dtype"], row["style"]): row["entry"]
+        for row in rows
+        if row["op"] == "cupy rotate out="
+    }
+    assert entries == {
+        (dtype, style): f"rope_{dtype}_{style}_v2"  # head_dim 128: two pairs a lane
+        for dtype in ("float32", "float16", "bfloat16")
+        for style in ("interleaved", "half")
+    }
     text = table(rows)
     assert text.count("\n| cupy rotate out= |") == 6
     assert text.count("\nFAILED ") == 7 and "FAILED decode numba-cuda" in text
