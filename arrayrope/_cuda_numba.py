@@ -5,9 +5,9 @@ kernels and as a second GPU implementation for the tests to compare. Under Numba
 (NUMBA_ENABLE_CUDASIM=1) the same kernels run on the CPU, which is how CI tests them.
 
 Operands are flat 1-D views with element offsets (``arrayrope._layout``). Launch geometry:
-``block=(32, ROWS_PER_BLOCK)``, warp lanes across the pairs of a row, one row per warp, element
-by element. It is the plain form of the CuPy kernels, which add vector accesses and several
-rows per warp (``arrayrope._cuda_cupy``).
+``block=(32, WARPS_PER_BLOCK)``, warp lanes across the pairs of a row, ROWS_PER_WARP rows per
+warp, element by element. The CuPy kernels (``arrayrope._cuda_cupy``) add vector accesses and
+load all of a warp's rows before storing any.
 """
 
 import numpy as np
@@ -23,8 +23,10 @@ try:
 except ImportError:
     cuda = None
 
-ROWS_PER_BLOCK = 8
 LANES = 32
+WARPS_PER_BLOCK = 8
+ROWS_PER_WARP = 4
+ROWS_PER_BLOCK = WARPS_PER_BLOCK * ROWS_PER_WARP
 
 
 def require_numba_cuda():
@@ -105,51 +107,67 @@ def _kernel(bf16_bits, half_style, compute):
     def rope_kernel(
         x1, o1, i1, x2, o2, i2, g, cos, sin, pair_axis, rotary_dim, d, sign, copy_tail, n1, n2
     ):
-        row = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-        t = 0
-        if row >= n1:
-            row -= n1
-            t = 1
-            if row >= n2:
-                return
-        x = x1 if t == 0 else x2
-        o = o1 if t == 0 else o2
-        idx = i1 if t == 0 else i2
+        # Each warp takes ROWS_PER_WARP consecutive rows: the first row's coordinates come from
+        # divisions (Python-semantics integer division, dozens of instructions), the next ones
+        # from stepping the innermost axis until it wraps (k's rows begin at such a wrap).
+        first = (cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y) * ROWS_PER_WARP
         nlead = g.shape[2] - 1
-        xb = g[t, 1, nlead]
-        ob = g[t, 2, nlead]
-        pb = g[t, 3, nlead]
-        rem = row
-        for ax in range(nlead - 1, -1, -1):
-            n = g[t, 0, ax]
-            i = rem % n
-            rem //= n
-            xb += i * g[t, 1, ax]
-            ob += i * g[t, 2, ax]
-            pb += i * g[t, 3, ax]
-        axis_stride = g[t, 0, nlead]
         half = rotary_dim // 2
-        j = cuda.threadIdx.x
-        while j < half:
-            p = idx[pb + pair_axis[j] * axis_stride]
-            c = cos[p, j]
-            s = sin[p, j] * sign
-            if half_style:
-                ia = j
-                ib = j + half
-            else:
-                ia = 2 * j
-                ib = 2 * j + 1
-            a = load(x, xb + ia)
-            b = load(x, xb + ib)
-            store(o, ob + ia, a * c - b * s)
-            store(o, ob + ib, b * c + a * s)
-            j += cuda.blockDim.x
-        if copy_tail:
-            j = rotary_dim + cuda.threadIdx.x
-            while j < d:
-                o[ob + j] = x[xb + j]
+        t = 0
+        xb = ob = pb = inner = inner_n = xs = os_ = ps = axis_stride = 0
+        x, o, idx = x1, o1, i1
+        for r in range(ROWS_PER_WARP):
+            row = first + r
+            if row >= n1 + n2:
+                return
+            if r == 0 or inner == inner_n:
+                t = 0 if row < n1 else 1
+                x = x1 if t == 0 else x2
+                o = o1 if t == 0 else o2
+                idx = i1 if t == 0 else i2
+                xb = g[t, 1, nlead]
+                ob = g[t, 2, nlead]
+                pb = g[t, 3, nlead]
+                rem = row - t * n1
+                for ax in range(nlead - 1, -1, -1):
+                    n = g[t, 0, ax]
+                    i = rem % n
+                    rem //= n
+                    xb += i * g[t, 1, ax]
+                    ob += i * g[t, 2, ax]
+                    pb += i * g[t, 3, ax]
+                    if ax == nlead - 1:
+                        inner = i
+                inner_n = g[t, 0, nlead - 1]
+                xs = g[t, 1, nlead - 1]
+                os_ = g[t, 2, nlead - 1]
+                ps = g[t, 3, nlead - 1]
+                axis_stride = g[t, 0, nlead]
+            j = cuda.threadIdx.x
+            while j < half:
+                p = idx[pb + pair_axis[j] * axis_stride]
+                c = cos[p, j]
+                s = sin[p, j] * sign
+                if half_style:
+                    ia = j
+                    ib = j + half
+                else:
+                    ia = 2 * j
+                    ib = 2 * j + 1
+                a = load(x, xb + ia)
+                b = load(x, xb + ib)
+                store(o, ob + ia, a * c - b * s)
+                store(o, ob + ib, b * c + a * s)
                 j += cuda.blockDim.x
+            if copy_tail:
+                j = rotary_dim + cuda.threadIdx.x
+                while j < d:
+                    o[ob + j] = x[xb + j]
+                    j += cuda.blockDim.x
+            inner += 1
+            xb += xs
+            ob += os_
+            pb += ps
 
     _kernels[key] = rope_kernel
     return rope_kernel
@@ -204,7 +222,7 @@ def launch(rope, operands, cos, sin, inverse):
     kernel = _kernel(bf16_bits, rope.style == "half", compute)
     copy_tail = rope.rotary_dim < d and any(o is not x for x, o, _ in operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
-    kernel[(blocks,), (LANES, ROWS_PER_BLOCK)](
+    kernel[(blocks,), (LANES, WARPS_PER_BLOCK)](
         *args,
         kept(("g", g.shape, g.tobytes()), g),
         to_device(cos),
