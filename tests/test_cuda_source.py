@@ -21,6 +21,8 @@ from conftest import (
     run_launcher,
 )
 from host_cuda import run_kernel
+from hypothesis import given
+from hypothesis import strategies as st
 
 import arrayrope as ar
 from arrayrope._cuda_cupy import KERNEL_NAMES, SOURCE
@@ -221,3 +223,76 @@ def test_source_on_the_host_keeps_nan_and_inf(host_kernels, dtype):
         assert (np.isnan(got) == np.isnan(expected)).all()
         assert (got[np.isinf(expected)] == expected[np.isinf(expected)]).all()
         assert np.isfinite(got[np.isfinite(expected)]).all()
+
+
+@st.composite
+def kernel_calls(draw):
+    """A rotate or rotate_qk call on strided views, as the CuPy launcher would get it."""
+    d = draw(st.sampled_from([4, 16, 64, 128, 256]))  # vector entry points from 64 on
+    lead = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "style": draw(st.sampled_from(["interleaved", "half"])),
+        "d": d,
+        "rotary_dim": draw(st.one_of(st.just(d), st.integers(1, d // 2).map(lambda n: 2 * n))),
+        "lead": lead,
+        "steps": [draw(st.sampled_from([1, 2, -1, -3])) for _ in lead],
+        "pad": (pad := draw(st.sampled_from([0, 8]))),  # rows of d + pad elements
+        "offset": draw(st.integers(0, min(pad, 3))),  # where the features start in each row
+        "positions": draw(st.sampled_from(["int", "last axis", "every row", "float"])),
+        "inverse": draw(st.booleans()),
+        "out": draw(st.sampled_from(["fresh", "in place", "strided"])),
+        "k_heads": draw(st.integers(0, 3)),  # 0: rotate; else rotate_qk with k of these heads
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+def _strided_view(rng, c, fill=None):
+    """An array of shape lead + (d,) viewing a larger one with the call's steps and offset."""
+    base_shape = [n * abs(s) for n, s in zip(c["lead"], c["steps"])] + [c["d"] + c["pad"]]
+    if fill is None:
+        base = random_array(rng, base_shape, c["dtype"])
+    else:
+        base = poisoned(base_shape, c["dtype"])
+    view = base[tuple(slice(None, None, s) for s in c["steps"])]
+    return view[..., c["offset"] : c["offset"] + c["d"]]
+
+
+@given(kernel_calls())
+def test_source_on_the_host_matches_the_cpu_kernel_on_any_layout(host_kernels, c):
+    # The CUDA source's entry points (element-wise and vector), row decoding and q/k split,
+    # over random strides, alignments, head dims, positions and outputs: within the dtype's
+    # bound of the float64 oracle, and half types bit for bit with the CPU kernel.
+    rng = np.random.default_rng(c["seed"])
+    lead, kw = c["lead"], {"style": c["style"], "rotary_dim": c["rotary_dim"]}
+    xs = [_strided_view(rng, c)]
+    if c["k_heads"]:
+        k_lead = [c["k_heads"], *lead[1:]] if len(lead) > 1 else lead
+        xs.append(random_array(rng, k_lead + [c["d"]], c["dtype"]))
+    pos = {
+        "int": int(rng.integers(0, 2**31 - 1)),
+        "last axis": rng.integers(0, 10**6, lead[-1:]),
+        "every row": rng.integers(0, 10**6, lead) if len(xs) == 1 else rng.integers(0, 9, 1),
+        "float": rng.random(lead[-1:]) * 1e5,
+    }[c["positions"]]
+    originals = [x.copy() for x in xs]
+    if c["out"] == "in place":
+        outs = tuple(xs)
+    elif c["out"] == "strided":
+        outs = tuple(
+            _strided_view(rng, c, fill="poison") if i == 0 else poisoned(x.shape, x.dtype)
+            for i, x in enumerate(xs)
+        )
+    else:
+        outs = tuple(poisoned(x.shape, x.dtype) for x in xs)
+    rope = ar.RoPE(c["d"], **kw)
+    got = run_launcher(_host_launcher(host_kernels), rope, xs, pos, inverse=c["inverse"], outs=outs)
+    for x, y in zip(originals, got):
+        expected = oracle(x, pos, inverse=c["inverse"], **kw)
+        assert_matches(y, expected, x)
+        np.testing.assert_array_equal(
+            bits(y[..., c["rotary_dim"] :]), bits(x[..., c["rotary_dim"] :])
+        )
+        if c["dtype"].itemsize == 2:  # one rounding of the same float32 value as the CPU's
+            cpu = ar.rotate(x, pos, inverse=c["inverse"], **kw)
+            np.testing.assert_array_equal(bits(y), bits(cpu))
