@@ -354,7 +354,7 @@ def _tables(rope, values, is_int, high, xp, device, dtype, seq_len):
     return cos, sin, idx
 
 
-def _device_rows(cupy, idx, cos, sin):
+def _device_rows(cupy, device, idx, cos, sin):
     """Row indices on the current device, and the tables they index. A position array that
     arrayrope keeps on the host (a default arange, a scalar position's) is copied once per
     device; a scalar position is a zero row index into its own row of the tables (a view), so
@@ -362,11 +362,11 @@ def _device_rows(cupy, idx, cos, sin):
     if _family(idx) == "cupy":
         return idx, cos, sin
     if idx.ndim == 2 and _aranges.get(idx.shape[0]) is idx:
-        return on_device(cupy, ("arange", idx.shape[0]), idx), cos, sin
+        return on_device(cupy, device, ("arange", idx.shape[0]), idx), cos, sin
     if idx.shape == (1, 1):
         p = int(idx[0, 0])
         if _scalars.get(p) is idx:
-            return on_device(cupy, "zero", _ZERO), cos[p : p + 1], sin[p : p + 1]
+            return on_device(cupy, device, "zero", _ZERO), cos[p : p + 1], sin[p : p + 1]
     return cupy.asarray(idx), cos, sin
 
 
@@ -695,7 +695,7 @@ def _run(rope, xs, outs, values, is_int, high, xp, family, launch, inverse, seq_
     if family == "cupy":
         # Row indices go to the device before any geometry is read from them: the copy, not
         # the host array, is what the kernels address.
-        idx, cos, sin = _device_rows(xp, idx, cos, sin)
+        idx, cos, sin = _device_rows(xp, device, idx, cos, sin)
     results = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
 
     if launch is None:
@@ -908,7 +908,7 @@ def cos_sin(rope, pos, like, seq_len):
     if family == "cupy":
         with like.device:  # tables and results on like's device
             cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype, seq_len)
-            idx, cos, sin = _device_rows(xp, idx, cos, sin)
+            idx, cos, sin = _device_rows(xp, device, idx, cos, sin)
             return _gather(rope, xp, cos, sin, idx)
     cos, sin, idx = _tables(rope, values, is_int, high, xp, device, dtype, seq_len)
     return _gather(rope, xp, cos, sin, idx)

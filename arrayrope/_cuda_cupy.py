@@ -303,10 +303,10 @@ _functions = {}
 last_entry = None  # the entry point of the latest launch, for benchmarks and debugging
 
 
-def _function(cupy, name):
-    """Entry point ``name`` of the module on the current device: compiled once per device (all
-    entry points together), each looked up once (a lookup is a driver call)."""
-    device = cupy.cuda.Device().id
+def _function(cupy, device, name):
+    """Entry point ``name`` of the module on device ``device`` (an id; the current one):
+    compiled once per device (all entry points together), each looked up once (a lookup is a
+    driver call)."""
     function = _functions.get((device, name))
     if function is None:
         module = _modules.get(device)
@@ -320,11 +320,16 @@ def _address(a):
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
 
-def _aligned(a, size):
-    """Whether every row of ``a`` starts on a multiple of ``size`` bytes."""
-    if _address(a) % size:
-        return False
-    return all(s % size == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if n > 1)
+def _alignment(arrays):
+    """The largest power of two, at most 16, dividing the byte address of every row of every
+    array (the start and the strides of axes longer than 1; negative strides alike)."""
+    bits = 16
+    for a in arrays:
+        bits |= _address(a)
+        for n, s in zip(a.shape[:-1], a.strides[:-1]):
+            if n > 1:
+                bits |= s
+    return bits & -bits
 
 
 def _pairs_per_access(rope, operands, tables):
@@ -334,15 +339,21 @@ def _pairs_per_access(rope, operands, tables):
     itemsize = operands[0][0].itemsize
     half = rope.rotary_dim // 2
     per_pair = 1 if rope._half_style else 2  # elements of a pair in one access
+    data = _alignment([a for x, out, _ in operands for a in (x, out)])
+    table = _alignment(tables)
     for p in (4, 2, 1):
-        size = p * per_pair * itemsize
-        if p * per_pair == 1 or size > 16 or half % p or (p > 1 and half < LANES * p):
-            continue
-        if all(_aligned(t, p * t.itemsize) for t in tables) and all(
-            _aligned(a, size) for x, out, _ in operands for a in (x, out)
+        if (
+            p * per_pair > 1
+            and p * per_pair * itemsize <= data
+            and p * tables[0].itemsize <= table
+            and half % p == 0
+            and (p == 1 or half >= LANES * p)
         ):
             return p
     return 0
+
+
+_ENTRY_PREFIX = {}  # "rope_<dtype>_<style>" by (dtype, style): dtype.name is slow to build
 
 
 def launch_plan(rope, operands, tables, inverse):
@@ -373,7 +384,10 @@ def launch_plan(rope, operands, tables, inverse):
     )
     grid = ((n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
     p = _pairs_per_access(rope, operands, tables)
-    name = f"rope_{x0.dtype.name}_{rope.style}" + (f"_v{p}" if p else "")
+    prefix = _ENTRY_PREFIX.get((x0.dtype, rope.style))
+    if prefix is None:
+        prefix = _ENTRY_PREFIX[(x0.dtype, rope.style)] = f"rope_{x0.dtype.name}_{rope.style}"
+    name = prefix + (f"_v{p}" if p else "")
     block = (LANES, WARPS_PER_BLOCK)
     return name, grid, block, tuple(arrays), g, np.int32(g.shape[2] - 1), scalars
 
@@ -381,16 +395,19 @@ def launch_plan(rope, operands, tables, inverse):
 def launch(rope, operands, cos, sin, inverse):
     """Rotate one or two operands in one launch; same contract as :func:`arrayrope._cpu.launch`."""
     cupy = require_cupy()
-    with operands[0][0].device:
+    device = operands[0][0].device
+    with device:
+        device = device.id
         tables = (cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin))
         name, grid, block, arrays, g_host, nlead, scalars = launch_plan(
             rope, operands, tables, inverse
         )
-        g = on_device(cupy, ("g", g_host.shape, g_host.tobytes()), g_host)
+        g = on_device(cupy, device, ("g", g_host.shape, g_host.tobytes()), g_host)
+        axes = rope._pair_axis
         pair_axis = on_device(
-            cupy, ("axes", "int32", rope._pair_axis.tobytes()), rope._pair_axis.astype(np.int32)
+            cupy, device, ("axes", "int32", axes.tobytes()), axes.astype(np.int32)
         )
-        _function(cupy, name)(
+        _function(cupy, device, name)(
             grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)
         )
     global last_entry

@@ -199,8 +199,10 @@ def launch(rope, operands, cos, sin, inverse):
         moved = None
         to_device = cupy.asarray  # the operands and tables are on the device already
 
+        device = x0.device.id
+
         def kept(key, a):  # small host arrays: copied once per device, not per call
-            return on_device(cupy, key, a)
+            return on_device(cupy, device, key, a)
 
     g = geometry(operands, flat=True)
     bf16_bits = x0.dtype.itemsize == 2 and x0.dtype != np.float16

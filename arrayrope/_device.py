@@ -8,10 +8,10 @@ on the decode path that would be most of a call's host time.
 _kept = {}
 
 
-def on_device(cupy, key, host):
-    """``host`` (a small NumPy array) on the current device, copied the first time ``key`` is
-    asked for there. ``key`` must identify the contents."""
-    key = (cupy.cuda.Device().id, key)
+def on_device(cupy, device, key, host):
+    """``host`` (a small NumPy array) on device ``device`` (an id; the current one), copied the
+    first time ``key`` is asked for there. ``key`` must identify the contents."""
+    key = (device, key)
     found = _kept.get(key)
     if found is None:
         if len(_kept) > 512:

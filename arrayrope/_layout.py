@@ -6,6 +6,8 @@ fused QKV buffer, negative steps, broadcast zeros) and nothing is copied. The fe
 contiguous; callers route other layouts through a contiguous temporary.
 """
 
+import math
+
 import numpy as np
 
 
@@ -108,4 +110,4 @@ def geometry(operands, flat):
 
 def rows(g, t):
     """The number of rows of operand t."""
-    return int(np.prod(g[t, 0, :-1]))
+    return math.prod(g[t, 0, :-1].tolist())  # np.prod costs microseconds on a few items

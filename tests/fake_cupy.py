@@ -84,11 +84,12 @@ def _wrap(value):
 class ndarray:  # noqa: N801 (CuPy's name)
     """A device array: a NumPy array and the device it lives on."""
 
-    __slots__ = ("_a", "_device")
+    __slots__ = ("_a", "_device", "_ptr")
 
     def __init__(self, a, device):
         self._a = a
         self._device = device
+        self._ptr = None
 
     # What arrayrope and the tests read
     shape = property(lambda self: self._a.shape)
@@ -100,7 +101,12 @@ class ndarray:  # noqa: N801 (CuPy's name)
     nbytes = property(lambda self: self._a.nbytes)
     flags = property(lambda self: self._a.flags)
     device = property(lambda self: Device(self._device))
-    data = property(lambda self: _Pointer(self._a.__array_interface__["data"][0]))
+
+    @property
+    def data(self):
+        if self._ptr is None:  # read once: NumPy builds a dict to tell
+            self._ptr = self._a.__array_interface__["data"][0]
+        return _Pointer(self._ptr)
 
     def _op(self, name, *args, **kwargs):
         device = _here()
