@@ -3,6 +3,10 @@
 Small shapes: the simulator runs every GPU thread as a Python thread.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from conftest import DTYPES, GPU_PRESENT, assert_matches, oracle, poisoned, run_launcher
@@ -100,3 +104,52 @@ def test_multi_axis_positions():
         _cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos) if xp is not np else pos, xp=xp
     )
     np.testing.assert_allclose(_to_host(y), rope.rotate(x, pos), rtol=0, atol=2e-6)
+
+
+# The simulator runs the kernels as Python, so it cannot show that Numba's CUDA compiler takes
+# them. This compiles each one to PTX in a process without the simulator, where NVRTC and NVVM
+# can be found (a CUDA toolkit, or the nvidia-* wheels of numba-cuda[cu12]/[cu13]).
+COMPILE_EVERY_KERNEL = """
+import sys
+import numpy as np
+from numba import cuda, types
+from arrayrope import _cuda_numba
+
+def signature(storage, compute):
+    data, rows = types.Array(storage, 1, "C"), types.Array(types.int64, 1, "C")
+    table = types.Array(compute, 2, "C")
+    return (data, data, rows, data, data, rows, types.Array(types.int64, 3, "C"), table, table,
+            rows, types.int64, types.int64, compute, types.boolean, types.int64, types.int64)
+
+cases = [(False, np.float32, types.float16, types.float32),
+         (False, np.float32, types.float32, types.float32),
+         (False, np.float64, types.float64, types.float64),
+         (True, np.float32, types.uint16, types.float32)]
+try:
+    cuda.compile_ptx(lambda a: None, "void(float32[::1])", cc=(8, 0))
+except Exception as error:  # no NVRTC or NVVM here
+    print("MISSING", type(error).__name__, str(error).splitlines()[0][:200])
+    sys.exit(0)
+for bf16_bits, compute, storage, compute_type in cases:
+    for half_style in (False, True):
+        kernel = _cuda_numba._kernel(bf16_bits, half_style, compute)
+        for cc in ((8, 0), (9, 0)):
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature(storage, compute_type), cc=cc)
+            assert ".entry" in ptx
+print("COMPILED", len(cases) * 2 * 2)
+"""
+
+
+def test_kernels_compile_for_ampere_and_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_EVERY_KERNEL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.startswith("MISSING"):
+        pytest.skip(f"Numba's CUDA compiler cannot run here: {done.stdout.strip()}")
+    assert "COMPILED 16" in done.stdout
