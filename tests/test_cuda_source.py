@@ -63,6 +63,35 @@ def test_compiles_without_warnings(tmp_path, arch):
     assert cubin.returncode == 0, cubin.stderr
 
 
+def _nvrtc():
+    """cuda.bindings' NVRTC, or a skip naming what is missing."""
+    try:
+        from cuda.bindings import nvrtc
+
+        nvrtc.nvrtcVersion()
+    except Exception as error:  # the module, or the library it loads
+        pytest.skip(f"NVRTC is not available: {type(error).__name__}: {str(error)[:150]}")
+    return nvrtc
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compiles_with_nvrtc_as_cupy_does(arch):
+    # CuPy's RawModule compiles the source with NVRTC and these options, not with nvcc.
+    nvrtc = _nvrtc()
+    _, program = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"rope.cu", 0, [], [])
+    options = [b"--std=c++14", f"--gpu-architecture={arch}".encode()]
+    (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    _, size = nvrtc.nvrtcGetProgramLogSize(program)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(program, log)
+    assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+    assert log.strip(b" \x00\n") == b"", log.decode()  # not even a warning
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    assert set(re.findall(r"\.visible \.entry (\w+)", ptx.decode())) == set(KERNEL_NAMES)
+
+
 def test_entry_points_per_dtype_and_style():
     names = set(KERNEL_NAMES)
     for dtype in ("float32", "float64", "float16", "bfloat16"):
