@@ -180,18 +180,6 @@ def test_steps_copy_nothing_to_the_device(cp, rng, backend):
     assert cp.transfers == [((1, 1), np.dtype(np.int64))]
 
 
-def test_mixing_host_and_device_is_an_error(cp):
-    x = cp.zeros((2, 8), np.float32)
-    with pytest.raises(ar.RopeTypeError, match="out must be a CuPy array"):
-        ar.rotate(x, out=np.zeros((2, 8), np.float32))
-    with pytest.raises(ar.RopeTypeError, match="q and k must be arrays of one kind"):
-        ar.rotate_qk(x, np.zeros((2, 8), np.float32))
-    with pytest.raises(ar.RopeTypeError, match="pos is a CuPy array"):
-        ar.rotate(np.zeros((2, 8), np.float32), cp.arange(2))
-    with pytest.raises(ar.RopeValueError, match="backend='numba' takes NumPy arrays"):
-        ar.rotate(x, backend="numba")
-
-
 @pytest.mark.parametrize(
     "pos, message",
     [

@@ -120,3 +120,5 @@ def test_mixing_host_and_device_is_an_error():
         ar.rotate_qk(x, np.zeros((2, 8), np.float32))
     with pytest.raises(ar.RopeTypeError, match="pos is a CuPy array"):
         ar.rotate(np.zeros((2, 8), np.float32), cupy.arange(2))
+    with pytest.raises(ar.RopeValueError, match="backend='numba' takes NumPy arrays"):
+        ar.rotate(x, backend="numba")
