@@ -82,7 +82,7 @@ template <> struct Elem<bf16_bits> {
 // N consecutive storage elements: one 4-, 8- or 16-byte access where the address is aligned.
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
-// n elements at p into compute type (VECTOR: one aligned access; else one access each)
+// N elements at p, widened to the compute type (VECTOR: one aligned access; else one each)
 template <typename T, int N, bool VECTOR>
 __device__ __forceinline__ void load_n(const T* p, typename Elem<T>::compute* out) {
     if (VECTOR) {
