@@ -27,9 +27,9 @@ def main():
             "-rs",
             "-p",
             "no:cacheprovider",
+            # the GPU's own tests only: tests/test_cuda_source.py needs no GPU and runs in CI
             "tests/test_gpu.py",
             "tests/test_cuda_numba.py",
-            "tests/test_cuda_source.py",
         ],
         cwd=ROOT,
         env=env,
