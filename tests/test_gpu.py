@@ -105,6 +105,30 @@ def test_strided_inplace_and_qk(backend):
     )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_axis_scaling_and_tables(backend):
+    # The other RoPE kinds, against the CPU kernel (itself checked against the oracle).
+    from arrayrope.scaling import DynamicNTK, YaRN
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 80, 128)).astype(np.float32)
+    ropes = [
+        (ar.RoPE.sectioned(128, (16, 24, 24)), rng.integers(0, 1000, (80, 3))),
+        (ar.RoPE.sectioned(128, (24, 20, 20), assign="interleaved"), rng.integers(0, 99, (80, 3))),
+        (ar.RoPE(128, scaling=YaRN(4.0, 64)), None),
+        (ar.RoPE(128, scaling=DynamicNTK(2.0, 32)), None),
+    ]
+    for rope, pos in ropes:
+        device_pos = None if pos is None else cupy.asarray(pos)
+        got = rope.rotate(cupy.asarray(x), device_pos, backend=backend)
+        np.testing.assert_allclose(got.get(), rope.rotate(x, pos), rtol=0, atol=3e-6)
+    rope = ar.RoPE(128)
+    cos, sin = rope.cos_sin(np.arange(5), like=cupy.zeros(1, np.float32))
+    assert isinstance(cos, cupy.ndarray)
+    np.testing.assert_array_equal(cos.get(), rope.cos_sin(np.arange(5))[0])
+    np.testing.assert_array_equal(sin.get(), rope.cos_sin(np.arange(5))[1])
+
+
 def test_backends_agree():
     x = cupy.asarray(np.random.default_rng().standard_normal((4, 8, 64, 128)), dtype=np.float32)
     a = ar.rotate(x, backend="cupy")
