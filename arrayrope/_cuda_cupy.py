@@ -405,7 +405,7 @@ def launch(rope, operands, cos, sin, inverse):
         g = on_device(cupy, device, ("g", g_host.shape, g_host.tobytes()), g_host)
         axes = rope._pair_axis
         pair_axis = on_device(
-            cupy, device, ("axes", "int32", axes.tobytes()), axes.astype(np.int32)
+            cupy, device, ("axes", "int32", axes.tobytes()), lambda: axes.astype(np.int32)
         )
         _function(cupy, device, name)(
             grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)

@@ -9,12 +9,13 @@ _kept = {}
 
 
 def on_device(cupy, device, key, host):
-    """``host`` (a small NumPy array) on device ``device`` (an id; the current one), copied the
-    first time ``key`` is asked for there. ``key`` must identify the contents."""
+    """``host`` (a small NumPy array, or a function that makes it, called only when needed) on
+    device ``device`` (an id; the current one), copied the first time ``key`` is asked for
+    there. ``key`` must identify the contents."""
     key = (device, key)
     found = _kept.get(key)
     if found is None:
         if len(_kept) > 512:
             _kept.clear()
-        found = _kept[key] = cupy.asarray(host)
+        found = _kept[key] = cupy.asarray(host() if callable(host) else host)
     return found
