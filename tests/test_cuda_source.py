@@ -276,13 +276,14 @@ def kernel_calls(draw):
     }
 
 
-def _strided_view(rng, c, fill=None):
-    """An array of shape lead + (d,) viewing a larger one with the call's steps and offset."""
+def _strided_view(rng, c, poison=False):
+    """An array of shape lead + (d,) viewing a larger one (random, or all nan) with the call's
+    steps and offset."""
     base_shape = [n * abs(s) for n, s in zip(c["lead"], c["steps"])] + [c["d"] + c["pad"]]
-    if fill is None:
-        base = random_array(rng, base_shape, c["dtype"])
-    else:
+    if poison:
         base = poisoned(base_shape, c["dtype"])
+    else:
+        base = random_array(rng, base_shape, c["dtype"])
     view = base[tuple(slice(None, None, s) for s in c["steps"])]
     return view[..., c["offset"] : c["offset"] + c["d"]]
 
@@ -309,7 +310,7 @@ def test_source_on_the_host_matches_the_cpu_kernel_on_any_layout(host_kernels, c
         outs = tuple(xs)
     elif c["out"] == "strided":
         outs = tuple(
-            _strided_view(rng, c, fill="poison") if i == 0 else poisoned(x.shape, x.dtype)
+            _strided_view(rng, c, poison=True) if i == 0 else poisoned(x.shape, x.dtype)
             for i, x in enumerate(xs)
         )
     else:
