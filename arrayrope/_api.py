@@ -429,27 +429,32 @@ def rotate_small(rope, x, pos, inverse, out):
     rows = _small_rows(rope, x, pos)
     if rows is None or type(inverse) is not bool:
         return None
+    positions, repeat_bits, high = rows
     dtype = x.dtype
     plan = rope._plans.get(dtype)
-    if plan is None or plan[2] <= rows[2]:
-        plan = _small_plan(rope, dtype, rows[2])
+    if plan is None or plan[1] <= high:
+        plan = _small_plan(rope, dtype, high)
         if plan is None:
             return None
     if x.size >= _cpu.SMALL_BELOW:
         return None
+    tables, _, view, settings = plan
     if out is None:
-        out = np.empty(x.shape, dtype)  # not empty_like: that costs twice as much here
-        source = x
+        result = out = np.empty(x.shape, dtype)  # not empty_like: that costs twice as much here
     elif out is x:
         if not x.flags.writeable:
             return None
-        source = None  # in place: the kernel's compile-time case
+        result = out
+        x = None  # in place: the kernel's compile-time case
     elif _small_out(x, out):
-        source = x
+        result = out
     else:
         return None
-    if _cpu.rotate_small(source, out, rows, plan, inverse):
-        return out
+    if view is not None:  # a half type: the kernel takes its bits
+        x = None if x is None else x.view(view)
+        out = out.view(view)
+    if _cpu.rotate_rows(x, out, positions, tables, settings + inverse + repeat_bits):
+        return result
     return _refused(rope, dtype)
 
 
@@ -465,7 +470,7 @@ def rotate_qk_small(rope, q, k, pos, inverse, outs):
         return None
     high = max(q_rows[2], k_rows[2])
     plan = rope._plans.get(q.dtype)
-    if plan is None or plan[2] <= high:
+    if plan is None or plan[1] <= high:
         plan = _small_plan(rope, q.dtype, high)
         if plan is None:
             return None
@@ -483,10 +488,18 @@ def rotate_qk_small(rope, q, k, pos, inverse, outs):
     for a in (k, k_out):
         if a.strides[-1] != a.itemsize:
             return None
-    if not _cpu.rotate_small(None if q_out is q else q, q_out, q_rows, plan, inverse):
-        return _refused(rope, q.dtype)
-    if not _cpu.rotate_small(None if k_out is k else k, k_out, k_rows, plan, inverse):
-        raise RuntimeError("arrayrope: the fast path refused k after writing q (a bug)")
+    tables, _, view, settings = plan
+    settings += inverse
+    calls = ((False, q, q_out, q_rows), (True, k, k_out, k_rows))
+    for q_written, x, out, (positions, repeat_bits, _) in calls:
+        x = None if out is x else x  # in place: the kernel's compile-time case
+        if view is not None:  # a half type: the kernel takes its bits
+            x = None if x is None else x.view(view)
+            out = out.view(view)
+        if not _cpu.rotate_rows(x, out, positions, tables, settings + repeat_bits):
+            if q_written:
+                raise RuntimeError("arrayrope: the fast path refused k after writing q (a bug)")
+            return _refused(rope, q.dtype)
     return q_out, k_out
 
 
@@ -498,10 +511,12 @@ def _refused(rope, dtype):
 
 
 def _small_rows(rope, x, pos):
-    """(positions, repeat, highest known position) of the rows of ``x`` (see
-    :func:`_row_positions`; the period is len(positions), or 1 for an int), where the fast path
-    takes ``x``: a NumPy array of ``rope``'s head_dim. Otherwise None. (The kernel checks that
-    the feature axis is contiguous.)"""
+    """(positions, repeat bits, highest known position) of the rows of ``x`` (see
+    :func:`_row_positions`; the period is len(positions), or 1 for an int; the repeat bits are
+    ``(repeat - 1) << 32``, ready to add to rotate_rows's settings, and 0 for the common
+    repeat of 1, which keeps that int small and cheap to pass), where the fast path takes
+    ``x``: a NumPy array of ``rope``'s head_dim. Otherwise None. (The kernel checks that the
+    feature axis is contiguous.)"""
     if type(x) is not np.ndarray:
         return None
     shape = x.shape
@@ -510,20 +525,21 @@ def _small_rows(rope, x, pos):
     if type(pos) is int:
         if not 0 <= pos < POSITION_LIMIT:
             return None
-        return pos, 1, pos
+        return pos, 0, pos
     if pos is None:
         if len(shape) == 1:
-            return 0, 1, 0
+            return 0, 0, 0
         length = shape[-2]
-        return _default_positions(rope, [shape[:-1]])[0].reshape(-1), 1, length - 1
+        return _default_positions(rope, [shape[:-1]])[0].reshape(-1), 0, length - 1
     if type(pos) is np.ndarray and pos.dtype.kind in "iu":
         found = _row_positions(pos, shape[:-1])
         if found is None:
             return None
         positions, repeat = found
+        repeat_bits = (repeat - 1) << 32  # the repeat as rotate_rows's settings carry it
         if positions.dtype is not _INT64:
             positions = positions.astype(_INT64)  # a wrapped uint64 turns negative: refused
-        return positions, repeat, 0  # the highest is left to the kernel, which refuses
+        return positions, repeat_bits, 0  # the highest is left to the kernel, which refuses
     if isinstance(pos, np.integer):  # a NumPy integer scalar: the int it holds
         return _small_rows(rope, x, int(pos))
     return None
@@ -565,9 +581,9 @@ def _small_outs(q, k, outs):
 def _small_plan(rope, dtype, high):
     """What the fast path needs for an ``x`` of ``dtype`` whose highest known position is
     ``high``, made and kept in ``rope._plans`` where the one kept there has too few rows or
-    none: (cos, sin, cached rows, the integer view dtype of a half type or None, the kernel's
-    settings: rotary_dim and style). None for a dtype the kernels do not take, or a position
-    past the cache's cap."""
+    none: (cos and sin stacked, cached rows, the integer view dtype of a half type or None,
+    the kernel's settings: rotary_dim and style). None for a dtype the kernels do not take, or a
+    position past the cache's cap."""
     global _cpu
     if _cpu is None:
         from . import _cpu
@@ -581,7 +597,7 @@ def _small_plan(rope, dtype, high):
     if dtype.itemsize == 2:
         view = np.dtype(np.int16 if dtype == np.float16 else np.uint16)
     settings = _cpu.small_settings(rope.rotary_dim, rope._half_style)
-    plan = (*tables, tables[0].shape[0], view, settings)
+    plan = (tables, tables.shape[1], view, settings)
     rope._plans[dtype] = plan
     return plan
 

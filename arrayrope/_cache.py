@@ -22,14 +22,14 @@ _MIN_ROWS = 256
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
+    """cos and sin stacked: shape (2,) + angles.shape, so ``cos, sin = tables`` unpacks them as
+    views and a kernel call can take both as one argument."""
     # Angles are float64 and so are cos/sin; the cast to the table dtype is the only rounding,
     # which keeps position 10**6 as exact as position 10 (a float32 angle is off by ~0.06 rad).
-    cos = xp.cos(angles)
-    sin = xp.sin(angles)
+    tables = xp.stack((xp.cos(angles), xp.sin(angles)))
     if scale != 1.0:
-        cos *= scale
-        sin *= scale
-    return cos.astype(dtype, copy=False), sin.astype(dtype, copy=False)
+        tables *= scale
+    return tables.astype(dtype, copy=False)
 
 
 class CosSinTables:
@@ -60,32 +60,34 @@ class CosSinTables:
         return max(_MIN_ROWS, DEFAULT_CACHE_BYTES // (2 * itemsize * max(1, self.inv_freq.size)))
 
     def cached(self, xp, device, dtype, max_pos):
-        """(cos, sin) of shape (rows, n_pairs) with rows > max_pos, or None past the cap."""
+        """cos and sin stacked, shape (2, rows, n_pairs) with rows > max_pos, or None past the
+        cap."""
         key = (device, dtype)
         tables = self._tables.get(key)
-        if tables is not None and tables[0].shape[0] > max_pos:
+        if tables is not None and tables.shape[1] > max_pos:
             return tables
         cap = self._cap(np.dtype(dtype).itemsize)
         if max_pos >= cap:
             return None
         with self._lock:
             tables = self._tables.get(key)
-            if tables is not None and tables[0].shape[0] > max_pos:
+            if tables is not None and tables.shape[1] > max_pos:
                 return tables
-            old = 0 if tables is None else tables[0].shape[0]
+            old = 0 if tables is None else tables.shape[1]
             if self.max_rows is not None:
                 rows = cap  # a stated max_positions is built whole, once
             else:
                 rows = min(cap, max(max_pos + 1, 2 * old, _MIN_ROWS))
             angles = np.multiply.outer(np.arange(rows, dtype=np.float64), self.inv_freq)
-            cos, sin = _angles_to_tables(np, angles, self.scale, dtype)
+            tables = _angles_to_tables(np, angles, self.scale, dtype)
             if xp is not np:
-                cos, sin = xp.asarray(cos), xp.asarray(sin)
-            self._tables[key] = (cos, sin)
-            return cos, sin
+                tables = xp.asarray(tables)
+            self._tables[key] = tables
+            return tables
 
     def exact(self, xp, dtype, positions):
-        """(cos, sin) of shape (R, n_pairs) for float64 ``positions`` of shape (R, n_axes)."""
+        """cos and sin stacked, shape (2, R, n_pairs), for float64 ``positions`` of shape
+        (R, n_axes)."""
         axis = self.pair_axis if xp is np else xp.asarray(self.pair_axis)
         inv_freq = self.inv_freq if xp is np else xp.asarray(self.inv_freq)
         # C order, as the cached tables: fancy indexing may hand back a transposed layout,

@@ -1087,23 +1087,27 @@ def _span(a):
 
 
 @njit(cache=_CACHE)
-def rotate_rows(x, o, positions, repeat, cos, sin, settings):
+def rotate_rows(x, o, positions, tables, settings):
     """The small-input path, one thread: the rows of ``x`` into those of ``o`` (``x`` None: in
     place), arrays of any number of axes and any leading strides, taken as they are: flat views
     and geometry cost more in Python than the rows of a decode step. Row r (in C order) sits at
     position ``positions[(r // repeat) % len(positions)]`` (``positions`` may be one int:
-    decode passes one, which is cheaper to hand over than an array). Returns False, having
-    written nothing, where a feature axis is not contiguous, a position is negative or past the
-    table, or ``o`` is not ``x`` but their memory spans overlap (the caller then takes the
-    general path, which copies such features through a temporary and tells exact aliasing from
-    partial overlap). These checks are here because each costs Python 0.05-0.4 us. One
-    position axis only. ``settings`` is ``rotary_dim * 4 + half_style * 2 + inverse`` (see
-    :func:`small_settings`): every argument costs the call 0.02-0.07 us of unboxing, a decode
-    step's whole rotation about 0.8 us.
+    decode passes one, which is cheaper to hand over than an array). ``tables`` is cos and sin
+    stacked, shape (2, rows, pairs). Returns False, having written nothing, where a feature
+    axis is not contiguous, a position is negative or past the table, or ``o`` is not ``x``
+    but their memory spans overlap (the caller then takes the general path, which copies such
+    features through a temporary and tells exact aliasing from partial overlap). These checks
+    are here because each costs Python 0.05-0.4 us. One position axis only. ``settings`` packs
+    repeat - 1, rotary_dim, the style and inverse into one int (see :func:`small_settings`):
+    every argument costs the call 0.02-0.1 us of unboxing, a decode step's whole rotation
+    about 0.8 us, and an int past 2**30 costs more to unbox than a smaller one.
     """
-    rotary_dim = settings >> 2
+    repeat = (settings >> 32) + 1
+    rotary_dim = (settings >> 2) & 0x3FFFFFFF
     half_style = (settings & 2) != 0
     inverse = (settings & 1) != 0
+    cos = tables[0]
+    sin = tables[1]
     if not _unit_feature_stride(x, o):
         return False
     period = _count(positions)
@@ -1202,22 +1206,9 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
 
 
 def small_settings(rotary_dim, half_style):
-    """rotate_rows's ``settings`` for the forward rotation; the inverse adds 1."""
+    """rotate_rows's ``settings`` for the forward rotation with a repeat of 1: the inverse adds
+    1, a repeat r adds ``(r - 1) << 32``. Low bits: rotary_dim, the style, inverse."""
     return rotary_dim * 4 + half_style * 2
-
-
-def rotate_small(x, out, rows, plan, inverse):
-    """Rotate a small ``x`` into ``out`` (``x`` None: ``out`` in place), row r at position
-    ``positions[(r // repeat) % len(positions)]`` where ``rows`` is (positions, repeat, _): the
-    decode and prefill shapes, with no geometry. ``plan`` is (cos, sin, cached rows, half-type
-    view dtype or None, :func:`small_settings`). Returns whether it did; where it did not (see
-    :func:`rotate_rows`), it wrote nothing."""
-    positions, repeat, _ = rows
-    cos, sin, _, view, settings = plan
-    if view is not None:
-        x = None if x is None else x.view(view)
-        out = out.view(view)
-    return rotate_rows(x, out, positions, repeat, cos, sin, settings + inverse)
 
 
 def launch(rope, operands, cos, sin, inverse):

@@ -113,16 +113,16 @@ def test_cache_grows_geometrically_and_serves_large_positions():
     x = np.ones((1, 16), np.float32)
     rope.rotate(x, 10)
     tables = rope._default.tables._tables
-    (rows,) = {t[0].shape[0] for t in tables.values()}
+    (rows,) = {t.shape[1] for t in tables.values()}  # cos and sin stacked: (2, rows, pairs)
     rope.rotate(x, rows)  # one past the end: the table at least doubles, not +1
-    (grown,) = {t[0].shape[0] for t in tables.values()}
+    (grown,) = {t.shape[1] for t in tables.values()}
     assert grown >= 2 * rows
     rope.rotate(x, rows + 1)
-    assert {t[0].shape[0] for t in tables.values()} == {grown}  # no growth per call
+    assert {t.shape[1] for t in tables.values()} == {grown}  # no growth per call
     # Past the cap, positions are exact per call and the cache stays bounded.
     y = rope.rotate(x, 2**31 - 1)
     assert_matches(y, oracle(x, 2**31 - 1), x)
-    assert max(t[0].nbytes for t in tables.values()) <= 32 << 20
+    assert max(t.nbytes for t in tables.values()) <= 32 << 20
 
 
 def test_max_positions_builds_once():
@@ -130,10 +130,10 @@ def test_max_positions_builds_once():
     x = np.ones((1, 8), np.float32)
     rope.rotate(x, 3)
     (table,) = rope._default.tables._tables.values()
-    assert table[0].shape[0] == 100
+    assert table.shape[1] == 100
     assert_matches(rope.rotate(x, 100), oracle(x, 100), x)  # past it: exact, still right
     (same,) = rope._default.tables._tables.values()
-    assert same[0] is table[0]
+    assert same is table
 
 
 def test_module_functions_share_one_rope():
