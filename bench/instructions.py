@@ -61,8 +61,9 @@ def count(which, n, folder):
     with open(script, "w") as f:
         f.write(CHILD.format(root=ROOT, setup=SETUP, cases=CASES, which=which, n=n))
     out = os.path.join(folder, "callgrind.out")
-    # OpenBLAS's idle threads would otherwise add a few hundred instructions per call at random
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    # Without these, OpenBLAS's idle threads and string hash randomization (which moves dict
+    # probe counts) each add or take a few hundred instructions per call from run to run.
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
     subprocess.run(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, script],
         check=True,
