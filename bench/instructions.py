@@ -12,7 +12,9 @@ removes instructions from one path and adds none elsewhere is measured exactly.
     python bench/instructions.py --top 12     # and where they go, by function
     python bench/instructions.py --only "RoPE.rotate(x, int)"
 
-Needs ``valgrind`` on PATH; about half a minute per case.
+Needs ``valgrind`` on PATH. About 1.5 minutes per case on the 2-core VM, plus about 10 minutes
+the first time: Valgrind reports its own CPU model, so Numba compiles its kernels once more for
+it (kept in the disk cache from then on).
 """
 
 import argparse
