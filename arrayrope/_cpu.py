@@ -394,9 +394,16 @@ def _bf16_round_lanes(builder, value):
 
 
 def _signed_sin(builder, sin, inverse):
-    """sin, or -sin for the inverse (the transpose), as _pairs takes it."""
-    negated = builder.fsub(ir.Constant(sin.type, [-0.0] * sin.type.count), sin)
-    return builder.select(inverse, negated, sin)
+    """sin, or -sin for the inverse (the transpose), as _pairs takes it: the sign bit xored with
+    a mask that LLVM hoists out of the row loop (a negate and a select per vector cost more)."""
+    lanes = sin.type.count
+    bits = 64 if isinstance(sin.type.element, ir.DoubleType) else 32
+    word = ir.IntType(bits)
+    mask = builder.select(inverse, word(1 << (bits - 1)), word(0))
+    splat = builder.insert_element(ir.Constant(ir.VectorType(word, lanes), None), mask, ir.IntType(32)(0))
+    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+    flipped = builder.xor(builder.bitcast(sin, ir.VectorType(word, lanes)), splat)
+    return builder.bitcast(flipped, sin.type)
 
 
 def _half_step(nbytes):
@@ -548,30 +555,6 @@ _by_dtype(_interleaved_32, _shuffled_32, _bfloat16_32)
 _by_dtype(_interleaved_16, _shuffled_16, _bfloat16_16)
 
 
-@njit(inline="always")
-def _direct_row(x, o, xb, ob, cos, sin, rotary_dim, d, half_style, inverse):
-    """One row from x[xb] into o[ob], every pair and the tail, with streaming stores."""
-    wide = np.uint64(32 // o.itemsize)
-    if half_style:
-        h = np.uint64(rotary_dim // 2)
-        j = np.uint64(0)
-        while j + wide <= h:
-            _half_32(x, xb + j, o, ob + j, h, cos, sin, j, inverse)
-            j += wide
-        if j < h:
-            _half_16(x, xb + j, o, ob + j, h, cos, sin, j, inverse)
-    else:
-        n = np.uint64(rotary_dim)
-        j = np.uint64(0)
-        while j + wide <= n:
-            _interleaved_32(x, xb + j, o, ob + j, cos, sin, j // np.uint64(2), inverse)
-            j += wide
-        if j < n:
-            _interleaved_16(x, xb + j, o, ob + j, cos, sin, j // np.uint64(2), inverse)
-    for j in range(rotary_dim, d, 16 // o.itemsize):
-        _stream_16(x, xb + np.uint64(j), o, ob + np.uint64(j))
-
-
 def _direct_rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
     """Rows of one run straight to o with streaming stores."""
 
@@ -591,21 +574,35 @@ def _direct_rows_impl(
 
         return nothing
 
+    # Each row's loop is written out here, not called as an inlined helper: the helper's array
+    # arguments cost reference-count calls per row, and table rows taken as views (cos[p]) did
+    # too. Without them, (4, 32, 2048, 128) float16 ran 1.15-1.38x faster (bench/RESULTS.md,
+    # tenth session). The table row starts at the flat offset tb (cos and sin alike).
     def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+        stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_streaming
+        wide = np.uint64(32 // o.itemsize)
         for r in range(run):
-            p = idx[pb + r * sp + axis]
-            _direct_row(
-                x,
-                o,
-                np.uint64(xb + r * sx),
-                np.uint64(ob + r * so),
-                cos[p],
-                sin[p],
-                rotary_dim,
-                d,
-                half,
-                inv,
-            )
+            tb = np.uint64(idx[pb + r * sp + axis]) * stride
+            xr = np.uint64(xb + r * sx)
+            orow = np.uint64(ob + r * so)
+            if half:
+                h = np.uint64(rotary_dim // 2)
+                j = np.uint64(0)
+                while j + wide <= h:
+                    _half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                    j += wide
+                if j < h:
+                    _half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+            else:
+                n = np.uint64(rotary_dim)
+                j = np.uint64(0)
+                while j + wide <= n:
+                    _interleaved_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                    j += wide
+                if j < n:
+                    _interleaved_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+            for j in range(rotary_dim, d, 16 // o.itemsize):  # the tail, copied
+                _stream_16(x, xr + np.uint64(j), o, orow + np.uint64(j))
 
     return rows
 
@@ -1258,13 +1255,14 @@ def launch(rope, operands, cos, sin, inverse):
 
 def direct_streaming(rope, operands, segments, cos, sin):
     """Whether the direct streaming path can write these outputs: one run of pairs per row,
-    table rows of unit stride (its vector loads assume it), a pair block, tail and every output
-    row starting on a 16-byte boundary, and float16 converted by the CPU (F16C)."""
+    table rows of unit stride (its vector loads assume it) with cos and sin laid out alike (one
+    offset addresses a row of both), a pair block, tail and every output row starting on a
+    16-byte boundary, and float16 converted by the CPU (F16C)."""
     x = operands[0][0]
     item = x.itemsize
     if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
         return False
-    if cos.strides[-1] != cos.itemsize or sin.strides[-1] != sin.itemsize:
+    if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
         return False
     rotary_dim, d = rope.rotary_dim, x.shape[-1]
     block = rotary_dim // 2 if rope._half_style else rotary_dim

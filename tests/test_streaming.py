@@ -116,8 +116,8 @@ def test_direct_streaming_writes_what_plain_stores_write(
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
 
-def test_direct_streaming_needs_unit_stride_tables():
-    # its vector loads read a table row as contiguous memory
+def test_direct_streaming_needs_unit_stride_tables_laid_out_alike():
+    # its vector loads read a table row as contiguous memory, at one offset in cos and sin
     rope = ar.RoPE(64)
     x = np.zeros((4, 64), np.float32)
     operands = [(x, np.zeros_like(x), np.zeros((4, 1), np.int64))]
@@ -126,6 +126,35 @@ def test_direct_streaming_needs_unit_stride_tables():
     strided = np.zeros((32, 8), np.float32).T
     assert not cpu.direct_streaming(rope, operands, rope._segments, strided, tables)
     assert not cpu.direct_streaming(rope, operands, rope._segments, tables, strided)
+    wider = np.zeros((8, 40), np.float32)[:, :32]  # rows 40 apart, against 32 in tables
+    assert cpu.direct_streaming(rope, operands, rope._segments, wider, wider)
+    assert not cpu.direct_streaming(rope, operands, rope._segments, tables, wider)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_direct_streaming_reads_table_rows_at_their_stride(style, dtype, monkeypatch):
+    # The direct path addresses table row p at p * (row stride): tables whose rows are 48
+    # elements apart must give the bits of packed ones.
+    if not cpu.STREAMING or (dtype == np.float16 and not cpu.HARDWARE_F16):
+        pytest.skip("the direct streaming path needs x86-64 (and F16C for float16)")
+    monkeypatch.setattr(cpu, "STREAM_ABOVE", 0)
+    rng = np.random.default_rng()
+    rope = ar.RoPE(64, style=style)
+    x = rng.standard_normal((4, 8, 64)).astype(dtype)
+    idx = rng.integers(0, 8, size=(4, 8, 1))
+    table_dtype = np.float64 if dtype == np.float64 else np.float32
+    packed = [rng.uniform(-1, 1, size=(8, 32)).astype(table_dtype) for _ in range(2)]
+    spread = [np.full((8, 48), np.nan, table_dtype)[:, :32] for _ in range(2)]
+    for table, values in zip(spread, packed):
+        table[...] = values
+    results = []
+    for cos, sin in (packed, spread):
+        assert cpu.direct_streaming(rope, [(x, x, idx)], rope._segments, cos, sin)
+        out = poisoned(x.shape, x.dtype)
+        cpu.launch(rope, [(x, out, idx)], cos, sin, False)
+        results.append(bits(out))
+    np.testing.assert_array_equal(results[1], results[0])
 
 
 def _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out):
