@@ -395,15 +395,16 @@ def _bf16_round_lanes(builder, value):
 
 def _signed_sin(builder, sin, inverse):
     """sin, or -sin for the inverse (the transpose), as _pairs takes it: the sign bit xored with
-    a mask that LLVM hoists out of the row loop (a negate and a select per vector cost more)."""
+    a mask that LLVM hoists out of the row loop. (A negate and a select compiled into a test and
+    branch in every vector step.)"""
     lanes = sin.type.count
     bits = 64 if isinstance(sin.type.element, ir.DoubleType) else 32
-    word = ir.IntType(bits)
-    mask = builder.select(inverse, word(1 << (bits - 1)), word(0))
-    splat = builder.insert_element(ir.Constant(ir.VectorType(word, lanes), None), mask, ir.IntType(32)(0))
-    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
-    flipped = builder.xor(builder.bitcast(sin, ir.VectorType(word, lanes)), splat)
-    return builder.bitcast(flipped, sin.type)
+    words = ir.VectorType(ir.IntType(bits), lanes)
+    sign = builder.select(inverse, ir.IntType(bits)(1 << (bits - 1)), ir.IntType(bits)(0))
+    mask = builder.insert_element(ir.Constant(words, None), sign, ir.IntType(32)(0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    mask = builder.shuffle_vector(mask, mask, zeros)  # the sign in every lane
+    return builder.bitcast(builder.xor(builder.bitcast(sin, words), mask), sin.type)
 
 
 def _half_step(nbytes):
@@ -576,7 +577,7 @@ def _direct_rows_impl(
 
     # Each row's loop is written out here, not called as an inlined helper: the helper's array
     # arguments cost reference-count calls per row, and table rows taken as views (cos[p]) did
-    # too. Without them, (4, 32, 2048, 128) float16 ran 1.15-1.38x faster (bench/RESULTS.md,
+    # too. Without them `out=` ran 1.10-1.25x faster on (4, 32, 2048, 128) (bench/RESULTS.md,
     # tenth session). The table row starts at the flat offset tb (cos and sin alike).
     def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
         stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_streaming
