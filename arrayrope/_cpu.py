@@ -4,11 +4,12 @@ One row body serves every dtype and pair style. The dtype of the flat views pick
 conversion at compile time: float32 and float64 are read as they are; float16 travels as int16
 bits and bfloat16 as uint16 bits (Numba has no CPU half type) and both are converted in
 registers. In place is a compile-time case too (x passed as None). Every kernel is compiled once
-per such case and cached on disk. Large results not rotated in place are written with streaming
-stores (see STREAM_ABOVE), straight from registers where they are 16-byte aligned (see
-direct_streaming) and through a scratch block otherwise. Multi-axis layouts with many runs of
-pairs, or whose positions are shared by many rows, are rotated from per-entry tables (see
-gather_tables).
+per such case and cached on disk. Results not rotated in place are written straight from vector
+registers where their rows are 16-byte aligned (see direct_path): with streaming stores where
+they are large (see STREAM_ABOVE), with plain stores otherwise. Other large results go through a
+scratch block and streaming stores, other small ones through the general row loop. Multi-axis
+layouts with many runs of pairs, or whose positions are shared by many rows, are rotated from
+per-entry tables (see gather_tables).
 
 Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand (q, k):
   g[t, 0, :L] leading sizes        g[t, 0, L] element stride of the axes dimension of ``idx``
@@ -287,13 +288,15 @@ def _address(typingctx, a, i):
     return types.uint64(a, i), codegen
 
 
-def _store_streaming(context, builder, array_type, array, index, value, align):
+def _store_streaming(context, builder, array_type, array, index, value, align, nontemporal=True):
     """Store ``value`` (a vector) at ``array[index]`` with a streaming store, which writes the
-    cache line without first reading it. ``align`` is what the address is known to have."""
+    cache line without first reading it, or with a plain store where ``nontemporal`` is False.
+    ``align`` is what the address is known to have."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
     store = builder.store(value, address, align=align)
-    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+    if nontemporal:
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
 
 
 @intrinsic
@@ -326,13 +329,18 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
-# The direct streaming path: rows rotated in registers and written with 16-byte streaming stores
-# straight into the output, no scratch block. The CPU's write-combining buffers join the pieces
-# of each cache line, so a line split between two rows streams whole too. It needs every store
-# address 16-byte aligned (see direct_streaming); other large outputs take the scratch path.
-# On a 2-vCPU EPYC, (4, 32, 2048, 128) `out=`, bench/ab.py against the scratch path: 1.21-1.28x
-# float32, 1.15-1.31x float16, 1.03-1.12x bfloat16 (bench/RESULTS.md, sixth session).
-SCRATCH, DIRECT = 1, 2  # the kernels' ``stream`` argument; 0: plain stores
+# The direct path: rows rotated in vector registers and stored straight into the output. Large
+# outputs take 16-byte streaming stores, no scratch block: the CPU's write-combining buffers join
+# the pieces of each cache line, so a line split between two rows streams whole too. It needs
+# every store address 16-byte aligned (see direct_path); other large outputs take the scratch
+# path. On a 2-vCPU EPYC, (4, 32, 2048, 128) `out=`, bench/ab.py against the scratch path:
+# 1.21-1.28x float32, 1.15-1.31x float16, 1.03-1.12x bfloat16 (bench/RESULTS.md, sixth
+# session). Smaller outputs take the same loop with plain stores (VECTOR): against the general
+# row loop, (1, 32, 512, 128) `out=` and rotate_qk ran 1.4-1.6x faster for the half types in
+# the half layout, 1.0-1.1x otherwise (bench/RESULTS.md, tenth session).
+SCRATCH, DIRECT, VECTOR = 1, 2, 3  # the kernels' ``stream`` argument; 0: plain stores
+# Off: outputs below STREAM_ABOVE take the general row loop (tests compare the two paths).
+VECTOR_ROWS = True
 
 
 def _splat(ty, lanes, value):
@@ -364,9 +372,10 @@ def _load_lanes(context, builder, array_type, array, index, lanes):
     return builder.bitcast(builder.shl(wide, _splat(ir.IntType(32), lanes, 16)), floats)
 
 
-def _stream_lanes(context, builder, array_type, array, index, value):
+def _stream_lanes(context, builder, array_type, array, index, value, nontemporal):
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned), rounded once to the
-    array's storage type as _store rounds, with streaming stores."""
+    array's storage type as _store rounds, with streaming stores (plain ones where
+    ``nontemporal`` is False)."""
     lanes = value.type.count
     dtype = array_type.dtype
     if dtype == types.int16:  # float16 bits, rounded half to even
@@ -380,7 +389,7 @@ def _stream_lanes(context, builder, array_type, array, index, value):
             builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    _store_streaming(context, builder, array_type, array, index, value, 16)
+    _store_streaming(context, builder, array_type, array, index, value, 16, nontemporal)
 
 
 def _bf16_round_lanes(builder, value):
@@ -407,7 +416,7 @@ def _signed_sin(builder, sin, inverse):
     return builder.bitcast(builder.xor(builder.bitcast(sin, words), mask), sin.type)
 
 
-def _half_step(nbytes):
+def _half_step(nbytes, nontemporal):
     """An intrinsic rotating the pairs (j, j + h) for the ``nbytes`` of o from o[oa] on: x read
     from x[xa] and x[xa + h], tables from cos[t], sin[t]. _pairs's arithmetic, in vectors."""
 
@@ -426,8 +435,8 @@ def _half_step(nbytes):
             )
             first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
             second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
-            _stream_lanes(context, builder, tys[2], o_, oa_, first)
-            _stream_lanes(context, builder, tys[2], o_, builder.add(oa_, h_), second)
+            _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal)
+            _stream_lanes(context, builder, tys[2], o_, builder.add(oa_, h_), second, nontemporal)
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa, h, cos, sin, t, inverse), codegen
@@ -435,7 +444,7 @@ def _half_step(nbytes):
     return step
 
 
-def _interleaved_step(nbytes):
+def _interleaved_step(nbytes, nontemporal):
     """An intrinsic rotating the pairs (2j, 2j + 1) in the ``nbytes`` of o from o[oa] on: x read
     from x[xa], tables from cos[t], sin[t]. _interleaved_pairs's arithmetic, in vectors: each
     element times its pair's cos, plus its partner times its pair's (signed) sin."""
@@ -465,7 +474,7 @@ def _interleaved_step(nbytes):
             result = builder.shuffle_vector(
                 builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
             )
-            _stream_lanes(context, builder, tys[2], o_, oa_, result)
+            _stream_lanes(context, builder, tys[2], o_, oa_, result, nontemporal)
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
@@ -473,7 +482,7 @@ def _interleaved_step(nbytes):
     return step
 
 
-def _bfloat16_interleaved_step(nbytes):
+def _bfloat16_interleaved_step(nbytes, nontemporal):
     """The interleaved step for bfloat16, with no shuffles: each pair's two elements are one
     32-bit word, whose low half is the first element's bits and whose high half is the second's,
     so shifting and masking the word widens both to float32, and _f32_to_bf16_result on both
@@ -507,7 +516,7 @@ def _bfloat16_interleaved_step(nbytes):
             result = builder.or_(
                 builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
             )
-            _store_streaming(context, builder, tys[2], o_, oa_, result, 16)
+            _store_streaming(context, builder, tys[2], o_, oa_, result, 16, nontemporal)
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
@@ -515,97 +524,99 @@ def _bfloat16_interleaved_step(nbytes):
     return step
 
 
-@intrinsic
-def _stream_16(typingctx, x, xa, o, oa):
-    """o[oa...] = x[xa...], 16 bytes, with a streaming store (o[oa] 16-byte aligned)."""
+def _copy_16(nontemporal):
+    """An intrinsic: o[oa...] = x[xa...], 16 bytes, with a streaming store (o[oa] 16-byte
+    aligned) or a plain one."""
 
-    def codegen(context, builder, signature, args):
-        x_, xa_, o_, oa_ = args
-        vector = ir.VectorType(ir.IntType(32), 4)
-        source = context.make_array(signature.args[0])(context, builder, x_).data
-        value = builder.load(
-            builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
-        )
-        _store_streaming(context, builder, signature.args[2], o_, oa_, value, 16)
-        return context.get_dummy_value()
+    @intrinsic
+    def copy(typingctx, x, xa, o, oa):
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_ = args
+            vector = ir.VectorType(ir.IntType(32), 4)
+            source = context.make_array(signature.args[0])(context, builder, x_).data
+            value = builder.load(
+                builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
+            )
+            _store_streaming(context, builder, signature.args[2], o_, oa_, value, 16, nontemporal)
+            return context.get_dummy_value()
 
-    return types.void(x, xa, o, oa), codegen
+        return types.void(x, xa, o, oa), codegen
 
-
-_half_32, _half_16 = _half_step(32), _half_step(16)
-_shuffled_32, _shuffled_16 = _interleaved_step(32), _interleaved_step(16)
-_bfloat16_32, _bfloat16_16 = _bfloat16_interleaved_step(32), _bfloat16_interleaved_step(16)
-
-
-def _interleaved_32(x, xa, o, oa, cos, sin, t, inverse):
-    """The interleaved step over 32 bytes of o, for o's dtype."""
+    return copy
 
 
-def _interleaved_16(x, xa, o, oa, cos, sin, t, inverse):
-    """The interleaved step over 16 bytes of o, for o's dtype."""
+def _direct_rows_for(nontemporal):
+    """The direct path's row loop, storing with streaming stores or (``nontemporal`` False)
+    plain ones: a function ``rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin,
+    rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o."""
+    half_32, half_16 = _half_step(32, nontemporal), _half_step(16, nontemporal)
+    shuffled = _interleaved_step(32, nontemporal), _interleaved_step(16, nontemporal)
+    bfloat16 = (
+        _bfloat16_interleaved_step(32, nontemporal),
+        _bfloat16_interleaved_step(16, nontemporal),
+    )
+    copy_16 = _copy_16(nontemporal)
+
+    def direct_rows(
+        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+    ):
+        """Rows of one run straight to o, rotated in vector registers."""
+
+    @overload(direct_rows)
+    def direct_rows_impl(
+        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+    ):
+        # In place takes the general loop. So does float16 without F16C (direct_path refuses
+        # it): its vector conversions would call runtime helpers that Numba's JIT may not link.
+        if isinstance(x, types.NoneType) or (o.dtype == types.int16 and not HARDWARE_F16):
+
+            def nothing(
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+            ):
+                return None
+
+            return nothing
+
+        pair_32, pair_16 = bfloat16 if o.dtype == types.uint16 else shuffled
+
+        # Each row's loop is written out here, not called as an inlined helper: the helper's
+        # array arguments cost reference-count calls per row, and table rows taken as views
+        # (cos[p]) did too. Without them `out=` ran 1.10-1.25x faster on (4, 32, 2048, 128)
+        # (bench/RESULTS.md, tenth session). The table row starts at the flat offset tb (cos and
+        # sin alike).
+        def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+            stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
+            wide = np.uint64(32 // o.itemsize)
+            for r in range(run):
+                tb = np.uint64(idx[pb + r * sp + axis]) * stride
+                xr = np.uint64(xb + r * sx)
+                orow = np.uint64(ob + r * so)
+                if half:
+                    h = np.uint64(rotary_dim // 2)
+                    j = np.uint64(0)
+                    while j + wide <= h:
+                        half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                        j += wide
+                    if j < h:
+                        half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                else:
+                    n = np.uint64(rotary_dim)
+                    j = np.uint64(0)
+                    while j + wide <= n:
+                        pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                        j += wide
+                    if j < n:
+                        pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                for j in range(rotary_dim, d, 16 // o.itemsize):  # the tail, copied
+                    copy_16(x, xr + np.uint64(j), o, orow + np.uint64(j))
+
+        return rows
+
+    return direct_rows
 
 
-def _by_dtype(stub, shuffled, bfloat16):
-    @overload(stub)
-    def choose(x, xa, o, oa, cos, sin, t, inverse):
-        step = bfloat16 if o.dtype == types.uint16 else shuffled
-        return lambda x, xa, o, oa, cos, sin, t, inverse: step(x, xa, o, oa, cos, sin, t, inverse)
-
-
-_by_dtype(_interleaved_32, _shuffled_32, _bfloat16_32)
-_by_dtype(_interleaved_16, _shuffled_16, _bfloat16_16)
-
-
-def _direct_rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
-    """Rows of one run straight to o with streaming stores."""
-
-
-@overload(_direct_rows)
-def _direct_rows_impl(
-    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-):
-    # In place nothing streams. Nor does float16 without F16C (direct_streaming refuses it):
-    # its vector conversions would call runtime helpers that Numba's JIT may not link.
-    if isinstance(x, types.NoneType) or (o.dtype == types.int16 and not HARDWARE_F16):
-
-        def nothing(
-            x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-        ):
-            return None
-
-        return nothing
-
-    # Each row's loop is written out here, not called as an inlined helper: the helper's array
-    # arguments cost reference-count calls per row, and table rows taken as views (cos[p]) did
-    # too. Without them `out=` ran 1.10-1.25x faster on (4, 32, 2048, 128) (bench/RESULTS.md,
-    # tenth session). The table row starts at the flat offset tb (cos and sin alike).
-    def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
-        stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_streaming
-        wide = np.uint64(32 // o.itemsize)
-        for r in range(run):
-            tb = np.uint64(idx[pb + r * sp + axis]) * stride
-            xr = np.uint64(xb + r * sx)
-            orow = np.uint64(ob + r * so)
-            if half:
-                h = np.uint64(rotary_dim // 2)
-                j = np.uint64(0)
-                while j + wide <= h:
-                    _half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                    j += wide
-                if j < h:
-                    _half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-            else:
-                n = np.uint64(rotary_dim)
-                j = np.uint64(0)
-                while j + wide <= n:
-                    _interleaved_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                    j += wide
-                if j < n:
-                    _interleaved_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-            for j in range(rotary_dim, d, 16 // o.itemsize):  # the tail, copied
-                _stream_16(x, xr + np.uint64(j), o, orow + np.uint64(j))
-
-    return rows
+_direct_rows_streaming = _direct_rows_for(True)
+_direct_rows_plain = _direct_rows_for(False)
 
 
 def _row_at(x, o, idx):
@@ -851,33 +862,25 @@ def _rows(
     axis_stride = g[0, inner + 1]
     streaming = _streams(x, stream, SCRATCH)
     direct = _streams(x, stream, DIRECT)
+    vector = _streams(x, stream, VECTOR)
     block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
     scratch = np.empty(block * d if streaming else 0, o.dtype)
     row = first
     while row < stop:
         xb, ob, pb, left = _run_start(g, row)
         run = min(left, stop - row)
-        if direct:  # one run of pairs (seg has one row): see direct_streaming
+        if direct or vector:  # one run of pairs (seg has one row): see direct_path
             axis = seg[0, 2] * axis_stride
-            _direct_rows(
-                x,
-                o,
-                idx,
-                xb,
-                ob,
-                pb,
-                sx,
-                so,
-                sp,
-                axis,
-                run,
-                cos,
-                sin,
-                rotary_dim,
-                d,
-                half_style,
-                inverse,
-            )
+            if direct:
+                _direct_rows_streaming(
+                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
+                    half_style, inverse,
+                )  # fmt: skip
+            else:
+                _direct_rows_plain(
+                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
+                    half_style, inverse,
+                )  # fmt: skip
             row += run
             continue
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
@@ -1244,8 +1247,13 @@ def launch(rope, operands, cos, sin, inverse):
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
     stream = 0
-    if STREAMING and written >= STREAM_ABOVE:
-        stream = DIRECT if direct_streaming(rope, operands, segments, cos, sin) else SCRATCH
+    if STREAMING and written:
+        if (written >= STREAM_ABOVE or VECTOR_ROWS) and direct_path(
+            rope, operands, segments, cos, sin
+        ):
+            stream = DIRECT if written >= STREAM_ABOVE else VECTOR
+        elif written >= STREAM_ABOVE:
+            stream = SCRATCH
     args += (g, cos, sin, segments, rope.rotary_dim, d, rope._half_style, inverse)
     args += (copy_tail, stream)
     if parallel:
@@ -1254,10 +1262,10 @@ def launch(rope, operands, cos, sin, inverse):
         rotate_serial(*args)
 
 
-def direct_streaming(rope, operands, segments, cos, sin):
-    """Whether the direct streaming path can write these outputs: one run of pairs per row,
-    table rows of unit stride (its vector loads assume it) with cos and sin laid out alike (one
-    offset addresses a row of both), a pair block, tail and every output row starting on a
+def direct_path(rope, operands, segments, cos, sin):
+    """Whether the direct path (DIRECT or VECTOR) can write these outputs: one run of pairs per
+    row, table rows of unit stride (its vector loads assume it) with cos and sin laid out alike
+    (one offset addresses a row of both), a pair block, tail and every output row starting on a
     16-byte boundary, and float16 converted by the CPU (F16C)."""
     x = operands[0][0]
     item = x.itemsize

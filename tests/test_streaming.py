@@ -38,6 +38,21 @@ def _streaming(threads):
         yield
 
 
+@contextlib.contextmanager
+def _vector(threads):
+    """The direct path's plain stores (VECTOR) for every output it can write: streaming off,
+    on one thread or on all."""
+    if not cpu.STREAMING:
+        pytest.skip("the direct path is used on x86-64 only")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "STREAM_ABOVE", 1 << 62)
+        patch.setattr(cpu, "VECTOR_ROWS", True)
+        patch.setattr(cpu, "SMALL_BELOW", 0)
+        if threads == "parallel":
+            patch.setattr(cpu, "SERIAL_BELOW", 0)
+        yield
+
+
 def _window(shape, dtype, shift, gap):
     """A poisoned buffer and a view of ``shape`` inside it, ``shift`` elements from its start
     (every alignment against 64-byte lines) and ``gap`` elements between rows."""
@@ -76,17 +91,19 @@ def test_streamed_output_matches_plain_stores(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
+@pytest.mark.parametrize("mode", ["streaming", "vector"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("rotary_dim", [48, 40, 24])
 @pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
-def test_direct_streaming_writes_what_plain_stores_write(
-    threads, dtype, style, rotary_dim, layout, monkeypatch
+def test_direct_path_writes_what_the_general_loop_writes(
+    mode, threads, dtype, style, rotary_dim, layout, monkeypatch
 ):
-    # The direct path (rows rotated in registers, stored with 16-byte streaming stores) takes
-    # outputs whose pair blocks, tail and rows all start on 16-byte boundaries; the others
-    # take the scratch path. Both must write the plain-store path's bits and nothing else.
+    # The direct path (rows rotated in registers, stored with 16-byte streaming stores for
+    # large outputs, plain stores for others) takes outputs whose pair blocks, tail and rows
+    # all start on 16-byte boundaries; the others take the scratch path (large) or the general
+    # row loop. All must write the general loop's plain-store bits and nothing else.
     rng = np.random.default_rng()
     shape, d = (3, 2, 37, 48), 48
     x = (rng.standard_normal(shape) * 3).astype(dtype)
@@ -105,40 +122,40 @@ def test_direct_streaming_writes_what_plain_stores_write(
         and (dtype != np.float16 or cpu.HARDWARE_F16)
     )
     chosen = []
-    direct_streaming = cpu.direct_streaming
-    monkeypatch.setattr(
-        cpu, "direct_streaming", lambda *a: chosen.append(direct_streaming(*a)) or chosen[-1]
-    )
+    direct_path = cpu.direct_path
+    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
     for pos, inverse in ((integer, False), (integer, True), (real, False)):
         buffer[:] = np.nan
-        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out)
+        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode)
     assert chosen == [expect_direct] * 3
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
 
-def test_direct_streaming_needs_unit_stride_tables_laid_out_alike():
+def test_direct_path_needs_unit_stride_tables_laid_out_alike():
     # its vector loads read a table row as contiguous memory, at one offset in cos and sin
     rope = ar.RoPE(64)
     x = np.zeros((4, 64), np.float32)
     operands = [(x, np.zeros_like(x), np.zeros((4, 1), np.int64))]
     tables = np.zeros((8, 32), np.float32)
-    assert cpu.direct_streaming(rope, operands, rope._segments, tables, tables)
+    assert cpu.direct_path(rope, operands, rope._segments, tables, tables)
     strided = np.zeros((32, 8), np.float32).T
-    assert not cpu.direct_streaming(rope, operands, rope._segments, strided, tables)
-    assert not cpu.direct_streaming(rope, operands, rope._segments, tables, strided)
+    assert not cpu.direct_path(rope, operands, rope._segments, strided, tables)
+    assert not cpu.direct_path(rope, operands, rope._segments, tables, strided)
     wider = np.zeros((8, 40), np.float32)[:, :32]  # rows 40 apart, against 32 in tables
-    assert cpu.direct_streaming(rope, operands, rope._segments, wider, wider)
-    assert not cpu.direct_streaming(rope, operands, rope._segments, tables, wider)
+    assert cpu.direct_path(rope, operands, rope._segments, wider, wider)
+    assert not cpu.direct_path(rope, operands, rope._segments, tables, wider)
 
 
+@pytest.mark.parametrize("stream_above", [0, 1 << 62], ids=["streaming", "vector"])
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_direct_streaming_reads_table_rows_at_their_stride(style, dtype, monkeypatch):
+def test_direct_path_reads_table_rows_at_their_stride(style, dtype, stream_above, monkeypatch):
     # The direct path addresses table row p at p * (row stride): tables whose rows are 48
     # elements apart must give the bits of packed ones.
     if not cpu.STREAMING or (dtype == np.float16 and not cpu.HARDWARE_F16):
-        pytest.skip("the direct streaming path needs x86-64 (and F16C for float16)")
-    monkeypatch.setattr(cpu, "STREAM_ABOVE", 0)
+        pytest.skip("the direct path needs x86-64 (and F16C for float16)")
+    monkeypatch.setattr(cpu, "STREAM_ABOVE", stream_above)
+    monkeypatch.setattr(cpu, "VECTOR_ROWS", True)
     rng = np.random.default_rng()
     rope = ar.RoPE(64, style=style)
     x = rng.standard_normal((4, 8, 64)).astype(dtype)
@@ -150,20 +167,22 @@ def test_direct_streaming_reads_table_rows_at_their_stride(style, dtype, monkeyp
         table[...] = values
     results = []
     for cos, sin in (packed, spread):
-        assert cpu.direct_streaming(rope, [(x, x, idx)], rope._segments, cos, sin)
+        assert cpu.direct_path(rope, [(x, x, idx)], rope._segments, cos, sin)
         out = poisoned(x.shape, x.dtype)
         cpu.launch(rope, [(x, out, idx)], cos, sin, False)
         results.append(bits(out))
     np.testing.assert_array_equal(results[1], results[0])
 
 
-def _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out):
-    """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on: the bits of
-    the plain-store path, and no write outside ``out``."""
-    with _streaming(threads):
+def _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode="streaming"):
+    """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on (or, for
+    ``mode`` "vector", the direct path's plain stores): the bits of the general row loop's plain
+    stores, and no write outside ``out``."""
+    with _streaming(threads) if mode == "streaming" else _vector(threads):
         _general(rope, (x,), pos, (out,), inverse)
     with pytest.MonkeyPatch.context() as plain:
         plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
+        plain.setattr(cpu, "VECTOR_ROWS", False)
         (expected,) = _general(rope, (x,), pos, (poisoned(x.shape, x.dtype),), inverse)
     np.testing.assert_array_equal(bits(out), bits(expected))
     mask = np.ones(buffer.size, bool)
@@ -195,7 +214,7 @@ def test_streamed_rotate_qk_with_one_operand_in_place(threads, rng):
         assert_matches(result, ref.astype(np.float64), source)
 
 
-def test_large_outputs_stream_and_others_do_not(monkeypatch):
+def test_large_outputs_stream_and_smaller_ones_take_plain_stores(monkeypatch):
     calls = []
     for name in ("rotate_serial", "rotate_parallel"):
         kernel = getattr(cpu, name)
@@ -211,7 +230,12 @@ def test_large_outputs_stream_and_others_do_not(monkeypatch):
     rope.rotate(big, out=big)  # in place: nothing to gain
     rope.rotate_qk(q, k, out=(q, np.empty_like(k)))  # 0.5 MiB written
     rope.rotate(big[:, :4], out=np.empty_like(big[:, :4]))  # 0.5 MiB
-    assert calls == [cpu.DIRECT if cpu.STREAMING else 0] * 3 + [0] * 3
+    shifted = np.empty((1, 4, 256, 129), np.float32)[..., 1:]  # rows off 16-byte boundaries
+    rope.rotate(big[:, :4], out=shifted)  # 0.5 MiB: the general loop
+    if cpu.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
+        assert calls == [cpu.DIRECT] * 3 + [0, cpu.VECTOR, cpu.VECTOR, 0]
+    else:
+        assert calls == [0] * 7
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans
