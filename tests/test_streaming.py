@@ -1,8 +1,10 @@
-"""The large-output write path (streaming stores) and the bfloat16 store's nan handling.
+"""The write paths (streaming stores, the direct path's vector loop) and the bfloat16 store's
+nan handling.
 
 Streaming starts at megabytes of output, too large for many hypothesis examples, so these tests
-lower the threshold to zero and compare against the plain-store path bit for bit, with outputs
-placed at every alignment inside poisoned buffers so that a stray or missing write shows.
+lower the threshold to zero and compare against the general row loop's plain stores bit for bit,
+with outputs placed at every alignment inside poisoned buffers so that a stray or missing write
+shows. The direct path's plain-store mode (VECTOR) is compared with the general loop likewise.
 """
 
 import contextlib
