@@ -337,9 +337,12 @@ def _store_fence(typingctx):
 # 1.21-1.28x float32, 1.15-1.31x float16, 1.03-1.12x bfloat16 (bench/RESULTS.md, sixth
 # session). Smaller outputs take the same loop with plain stores (VECTOR): against the general
 # row loop, (1, 32, 512, 128) `out=` and rotate_qk ran 1.4-1.6x faster for the half types in
-# the half layout, 1.0-1.1x otherwise (bench/RESULTS.md, tenth session).
+# the half layout, 1.0-1.1x otherwise (bench/RESULTS.md, tenth session). So does in place at
+# every size: 1.07-1.36x on (1, 32, 512, 128) and 1.08-1.27x on (4, 32, 2048, 128) but for
+# float32 interleaved, 0.95-0.98x and 1.08x (eleventh session).
 SCRATCH, DIRECT, VECTOR = 1, 2, 3  # the kernels' ``stream`` argument; 0: plain stores
-# Off: outputs below STREAM_ABOVE take the general row loop (tests compare the two paths).
+# Off: outputs below STREAM_ABOVE, and in place, take the general row loop (tests compare the
+# two paths).
 VECTOR_ROWS = True
 
 
@@ -545,10 +548,16 @@ def _copy_16(nontemporal):
     return copy
 
 
+# Rows per block in the direct path where rows have a tail: the block's tails are copied
+# after its rows are rotated, while its lines are still in cache.
+_TAIL_BLOCK_ROWS = 16
+
+
 def _direct_rows_for(nontemporal):
     """The direct path's row loop, storing with streaming stores or (``nontemporal`` False)
     plain ones: a function ``rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin,
-    rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o."""
+    rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o (``x``
+    None: o in place, which only the plain-store mode is given)."""
     half_32, half_16 = _half_step(32, nontemporal), _half_step(16, nontemporal)
     shuffled = _interleaved_step(32, nontemporal), _interleaved_step(16, nontemporal)
     bfloat16 = (
@@ -566,9 +575,21 @@ def _direct_rows_for(nontemporal):
     def direct_rows_impl(
         x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
     ):
-        # In place takes the general loop. So does float16 without F16C (direct_path refuses
-        # it): its vector conversions would call runtime helpers that Numba's JIT may not link.
-        if isinstance(x, types.NoneType) or (o.dtype == types.int16 and not HARDWARE_F16):
+        if isinstance(x, types.NoneType):  # in place: o read and written, no tail to copy
+
+            def in_place(
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+            ):
+                direct_rows(
+                    o, o, idx, ob, ob, pb, so, so, sp, axis, run, cos, sin, rotary_dim,
+                    rotary_dim, half, inv,
+                )  # fmt: skip
+
+            return in_place
+
+        # float16 without F16C takes the general loop (direct_path refuses it): its vector
+        # conversions would call runtime helpers that Numba's JIT may not link.
+        if o.dtype == types.int16 and not HARDWARE_F16:
 
             def nothing(
                 x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
@@ -583,32 +604,45 @@ def _direct_rows_for(nontemporal):
         # array arguments cost reference-count calls per row, and table rows taken as views
         # (cos[p]) did too. Without them `out=` ran 1.10-1.25x faster on (4, 32, 2048, 128)
         # (bench/RESULTS.md, tenth session). The table row starts at the flat offset tb (cos and
-        # sin alike).
+        # sin alike). One loop per layout, and the tails copied in a loop of their own, a block
+        # of rows at a time: with the layout test or the tail inside the row loop, LLVM kept the
+        # loop's registers on the stack, which cost rows in cache a fifth of their time.
         def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             wide = np.uint64(32 // o.itemsize)
-            for r in range(run):
-                tb = np.uint64(idx[pb + r * sp + axis]) * stride
-                xr = np.uint64(xb + r * sx)
-                orow = np.uint64(ob + r * so)
+            n = np.uint64(rotary_dim)
+            h = n // np.uint64(2)
+            block = max(run, 1) if d == rotary_dim else _TAIL_BLOCK_ROWS
+            for first in range(0, run, block):
+                stop = min(first + block, run)
                 if half:
-                    h = np.uint64(rotary_dim // 2)
-                    j = np.uint64(0)
-                    while j + wide <= h:
-                        half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                        j += wide
-                    if j < h:
-                        half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                    for r in range(first, stop):
+                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        j = np.uint64(0)
+                        while j + wide <= h:
+                            half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                            j += wide
+                        if j < h:
+                            half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
                 else:
-                    n = np.uint64(rotary_dim)
-                    j = np.uint64(0)
-                    while j + wide <= n:
-                        pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                        j += wide
-                    if j < n:
-                        pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                for j in range(rotary_dim, d, 16 // o.itemsize):  # the tail, copied
-                    copy_16(x, xr + np.uint64(j), o, orow + np.uint64(j))
+                    for r in range(first, stop):
+                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        j = np.uint64(0)
+                        while j + wide <= n:
+                            pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                            j += wide
+                        if j < n:
+                            pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                if d > rotary_dim:
+                    for r in range(first, stop):
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        for t in range(rotary_dim, d, 16 // o.itemsize):
+                            copy_16(x, xr + np.uint64(t), o, orow + np.uint64(t))
 
         return rows
 
@@ -780,8 +814,8 @@ def _streams(x, stream, mode):
 
 @overload(_streams)
 def _streams_impl(x, stream, mode):
-    if isinstance(x, types.NoneType):
-        return lambda x, stream, mode: False
+    if isinstance(x, types.NoneType):  # in place: only the plain-store vector loop
+        return lambda x, stream, mode: mode == VECTOR and stream == mode
     return lambda x, stream, mode: stream == mode
 
 
@@ -864,7 +898,7 @@ def _rows(
     direct = _streams(x, stream, DIRECT)
     vector = _streams(x, stream, VECTOR)
     block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
-    scratch = np.empty(block * d if streaming else 0, o.dtype)
+    scratch = np.empty(block * d, o.dtype) if streaming else o[:0]
     row = first
     while row < stop:
         xb, ob, pb, left = _run_start(g, row)
@@ -1247,12 +1281,11 @@ def launch(rope, operands, cos, sin, inverse):
     copy_tail = rope.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
     stream = 0
-    if STREAMING and written:
-        if (written >= STREAM_ABOVE or VECTOR_ROWS) and direct_path(
-            rope, operands, segments, cos, sin
-        ):
-            stream = DIRECT if written >= STREAM_ABOVE else VECTOR
-        elif written >= STREAM_ABOVE:
+    if STREAMING:
+        large = written > 0 and written >= STREAM_ABOVE
+        if (large or VECTOR_ROWS) and direct_path(rope, operands, segments, cos, sin):
+            stream = DIRECT if large else VECTOR
+        elif large:
             stream = SCRATCH
     args += (g, cos, sin, segments, rope.rotary_dim, d, rope._half_style, inverse)
     args += (copy_tail, stream)
@@ -1263,10 +1296,10 @@ def launch(rope, operands, cos, sin, inverse):
 
 
 def direct_path(rope, operands, segments, cos, sin):
-    """Whether the direct path (DIRECT or VECTOR) can write these outputs: one run of pairs per
-    row, table rows of unit stride (its vector loads assume it) with cos and sin laid out alike
-    (one offset addresses a row of both), a pair block, tail and every output row starting on a
-    16-byte boundary, and float16 converted by the CPU (F16C)."""
+    """Whether the direct path (DIRECT or VECTOR) can write these outputs (in place too): one
+    run of pairs per row, table rows of unit stride (its vector loads assume it) with cos and
+    sin laid out alike (one offset addresses a row of both), a pair block, tail and every output
+    row starting on a 16-byte boundary, and float16 converted by the CPU (F16C)."""
     x = operands[0][0]
     item = x.itemsize
     if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
@@ -1277,9 +1310,7 @@ def direct_path(rope, operands, segments, cos, sin):
     block = rotary_dim // 2 if rope._half_style else rotary_dim
     if (block * item) % 16 or ((d - rotary_dim) * item) % 16:
         return False
-    for x, out, _ in operands:
-        if out is x:
-            continue
+    for _, out, _ in operands:
         if out.__array_interface__["data"][0] % 16:
             return False
         if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):

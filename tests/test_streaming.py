@@ -133,6 +133,52 @@ def test_direct_path_writes_what_the_general_loop_writes(
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
 
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary_dim", [48, 40, 24])
+@pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
+def test_direct_path_in_place_writes_what_the_general_loop_writes(
+    threads, dtype, style, rotary_dim, layout, monkeypatch
+):
+    # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
+    # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
+    # every element outside the array left as they were.
+    rng = np.random.default_rng()
+    shape, d = (3, 2, 37, 48), 48
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    integer = rng.integers(0, 100_000, size=37)
+    real = rng.uniform(0, 100_000, size=37)
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    item = np.dtype(dtype).itemsize
+    shift, gap = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
+    block = rotary_dim // 2 if style == "half" else rotary_dim
+    expect_direct = (
+        layout != "shifted"
+        and (block * item) % 16 == 0
+        and (dtype != np.float16 or cpu.HARDWARE_F16)
+    )
+    chosen = []
+    direct_path = cpu.direct_path
+    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
+    for pos, inverse in ((integer, False), (integer, True), (real, False)):
+        buffer, y = _window(shape, dtype, shift, gap)
+        y[...] = x
+        words = buffer.view(f"u{item}")
+        outside = words.copy()
+        with _vector(threads):
+            _general(rope, (y,), pos, (y,), inverse)
+        with pytest.MonkeyPatch.context() as plain:
+            plain.setattr(cpu, "VECTOR_ROWS", False)
+            expected = x.copy()
+            _general(rope, (expected,), pos, (expected,), inverse)
+        np.testing.assert_array_equal(bits(y), bits(expected))
+        mask = np.ones(buffer.size, bool)
+        mask[np.unique(_offsets(buffer, y))] = False
+        np.testing.assert_array_equal(words[mask], outside[mask])
+    assert chosen == [expect_direct] * 3
+
+
 def test_direct_path_needs_unit_stride_tables_laid_out_alike():
     # its vector loads read a table row as contiguous memory, at one offset in cos and sin
     rope = ar.RoPE(64)
@@ -229,13 +275,13 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(monkeypatch):
     rope.rotate(big, out=np.empty_like(big))
     rope.rotate(big)
     rope.rotate_qk(q, k)  # 1 MiB written in all
-    rope.rotate(big, out=big)  # in place: nothing to gain
+    rope.rotate(big, out=big)  # in place: the vector loop, plain stores whatever the size
     rope.rotate_qk(q, k, out=(q, np.empty_like(k)))  # 0.5 MiB written
     rope.rotate(big[:, :4], out=np.empty_like(big[:, :4]))  # 0.5 MiB
     shifted = np.empty((1, 4, 256, 129), np.float32)[..., 1:]  # rows off 16-byte boundaries
     rope.rotate(big[:, :4], out=shifted)  # 0.5 MiB: the general loop
     if cpu.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
-        assert calls == [cpu.DIRECT] * 3 + [0, cpu.VECTOR, cpu.VECTOR, 0]
+        assert calls == [cpu.DIRECT] * 3 + [cpu.VECTOR] * 3 + [0]
     else:
         assert calls == [0] * 7
 
