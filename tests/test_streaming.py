@@ -93,6 +93,31 @@ def test_streamed_output_matches_plain_stores(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
+def _direct_case(dtype, style, rotary_dim, layout, monkeypatch):
+    """The direct-path tests' case: x (3, 2, 37, 48); the (pos, inverse) calls to make, integer
+    positions both ways and real ones (exact tables, computed per call); the RoPE; the output's
+    place in its buffer, (shift, gap) for ``layout``; whether the direct path should take it
+    (pair blocks, tail and rows on 16-byte boundaries); and the list that collects
+    ``direct_path``'s answers."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 2, 37, 48)) * 3).astype(dtype)
+    integer = rng.integers(0, 100_000, size=37)
+    calls = ((integer, False), (integer, True), (rng.uniform(0, 100_000, size=37), False))
+    rope = ar.RoPE(48, style=style, rotary_dim=rotary_dim)
+    item = x.itemsize
+    place = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
+    block = rotary_dim // 2 if style == "half" else rotary_dim
+    expect_direct = (
+        layout != "shifted"
+        and (block * item) % 16 == 0
+        and (dtype != np.float16 or cpu.HARDWARE_F16)
+    )
+    chosen = []
+    direct_path = cpu.direct_path
+    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
+    return x, calls, rope, place, expect_direct, chosen
+
+
 @pytest.mark.parametrize("mode", ["streaming", "vector"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -106,27 +131,13 @@ def test_direct_path_writes_what_the_general_loop_writes(
     # large outputs, plain stores for others) takes outputs whose pair blocks, tail and rows
     # all start on 16-byte boundaries; the others take the scratch path (large) or the general
     # row loop. All must write the general loop's plain-store bits and nothing else.
-    rng = np.random.default_rng()
-    shape, d = (3, 2, 37, 48), 48
-    x = (rng.standard_normal(shape) * 3).astype(dtype)
-    x_before = x.copy()
-    integer = rng.integers(0, 100_000, size=37)
-    real = rng.uniform(0, 100_000, size=37)  # exact tables, computed per call
-    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
-    item = np.dtype(dtype).itemsize
-    shift, gap = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
-    buffer, out = _window(shape, dtype, shift, gap)
-    assert buffer.__array_interface__["data"][0] % 16 == 0
-    block = rotary_dim // 2 if style == "half" else rotary_dim
-    expect_direct = (
-        layout != "shifted"
-        and (block * item) % 16 == 0
-        and (dtype != np.float16 or cpu.HARDWARE_F16)
+    x, calls, rope, place, expect_direct, chosen = _direct_case(
+        dtype, style, rotary_dim, layout, monkeypatch
     )
-    chosen = []
-    direct_path = cpu.direct_path
-    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
-    for pos, inverse in ((integer, False), (integer, True), (real, False)):
+    x_before = x.copy()
+    buffer, out = _window(x.shape, dtype, *place)
+    assert buffer.__array_interface__["data"][0] % 16 == 0
+    for pos, inverse in calls:
         buffer[:] = np.nan
         _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode)
     assert chosen == [expect_direct] * 3
@@ -144,27 +155,13 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
     # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
     # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
     # every element outside the array left as they were.
-    rng = np.random.default_rng()
-    shape, d = (3, 2, 37, 48), 48
-    x = (rng.standard_normal(shape) * 3).astype(dtype)
-    integer = rng.integers(0, 100_000, size=37)
-    real = rng.uniform(0, 100_000, size=37)
-    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
-    item = np.dtype(dtype).itemsize
-    shift, gap = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
-    block = rotary_dim // 2 if style == "half" else rotary_dim
-    expect_direct = (
-        layout != "shifted"
-        and (block * item) % 16 == 0
-        and (dtype != np.float16 or cpu.HARDWARE_F16)
+    x, calls, rope, place, expect_direct, chosen = _direct_case(
+        dtype, style, rotary_dim, layout, monkeypatch
     )
-    chosen = []
-    direct_path = cpu.direct_path
-    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
-    for pos, inverse in ((integer, False), (integer, True), (real, False)):
-        buffer, y = _window(shape, dtype, shift, gap)
+    for pos, inverse in calls:
+        buffer, y = _window(x.shape, dtype, *place)
         y[...] = x
-        words = buffer.view(f"u{item}")
+        words = buffer.view(f"u{x.itemsize}")
         outside = words.copy()
         with _vector(threads):
             _general(rope, (y,), pos, (y,), inverse)
