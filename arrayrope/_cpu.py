@@ -1016,10 +1016,13 @@ def rotate_serial(
     )
 
 
-# Rows per parallel task: enough tasks (up to 256) to balance the threads, and enough rows in
-# each that the per-task index decoding vanishes.
+# Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
+# tasks than threads balance nothing by themselves; each costs its call and index decoding. A few
+# per thread keep the shares within a task of each other. On two threads, 32 tasks ran
+# (1, 32, 512, 128) 1.00-1.16x as fast as 256, and (4, 32, 2048, 128) 0.96-1.06x
+# (bench/RESULTS.md, eleventh session).
 _MIN_TASK_ROWS = 32
-_MAX_TASKS = 256
+_MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
 
 
 @njit(cache=_CACHE, parallel=True)
@@ -1041,50 +1044,49 @@ def rotate_parallel(
     copy_tail,
     stream,
 ):
+    # The tasks split the rows of both operands, q's then k's, into equal parts: a task may end
+    # q and begin k, so that no thread's share is short by a partial task per operand.
     n1 = _count_rows(g[0])
     n2 = _count_rows(g[1])
-    chunk = max(_MIN_TASK_ROWS, (n1 + n2 + _MAX_TASKS - 1) // _MAX_TASKS)
-    tasks1 = (n1 + chunk - 1) // chunk
-    tasks2 = (n2 + chunk - 1) // chunk
-    for task in prange(tasks1 + tasks2):
-        if task < tasks1:
-            first = np.int64(task * chunk)
-            _rows(
-                x1,
-                o1,
-                i1,
-                g[0],
-                first,
-                min(first + chunk, n1),
-                cos,
-                sin,
-                seg,
-                rotary_dim,
-                d,
-                half_style,
-                inverse,
-                copy_tail,
-                stream,
-            )
-        else:
-            first = np.int64((task - tasks1) * chunk)
-            _rows(
-                x2,
-                o2,
-                i2,
-                g[1],
-                first,
-                min(first + chunk, n2),
-                cos,
-                sin,
-                seg,
-                rotary_dim,
-                d,
-                half_style,
-                inverse,
-                copy_tail,
-                stream,
-            )
+    total = n1 + n2
+    chunk = max(_MIN_TASK_ROWS, (total + _MAX_TASKS - 1) // _MAX_TASKS)
+    for task in prange((total + chunk - 1) // chunk):
+        first = np.int64(task * chunk)
+        stop = min(first + chunk, total)
+        _rows(
+            x1,
+            o1,
+            i1,
+            g[0],
+            first,
+            min(stop, n1),
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            inverse,
+            copy_tail,
+            stream,
+        )  # nothing where first >= n1
+        _rows(
+            x2,
+            o2,
+            i2,
+            g[1],
+            max(first, n1) - n1,
+            stop - n1,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            inverse,
+            copy_tail,
+            stream,
+        )  # nothing where stop <= n1
 
 
 def _overlap(x, o):

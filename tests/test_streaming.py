@@ -176,6 +176,28 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
     assert chosen == [expect_direct] * 3
 
 
+@pytest.mark.parametrize("heads", [(3, 2), (1, 5), (4, 4)])
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_parallel_tasks_cut_q_and_k_rows_together(heads, style, monkeypatch):
+    # The parallel kernel cuts q's and k's rows together into equal tasks, so a task may end q
+    # and begin k: each row of both must come out as the one-thread kernel writes it.
+    monkeypatch.setattr(cpu, "SMALL_BELOW", 0)
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, heads[0], 37, 16)).astype(np.float32)
+    k = rng.standard_normal((2, heads[1], 37, 16)).astype(np.float32)
+    pos = rng.integers(0, 5000, 37)
+    rope = ar.RoPE(16, style=style)
+    results = []
+    for serial_below in (1 << 62, 0):  # one thread, then the parallel kernel
+        monkeypatch.setattr(cpu, "SERIAL_BELOW", serial_below)
+        out = (poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype))
+        rope.rotate_qk(q, k, pos, out=out)
+        results.append(out)
+    for serial, parallel in zip(*results):
+        np.testing.assert_array_equal(bits(parallel), bits(serial))
+    assert_matches(results[1][0], oracle(q, pos, style=style), q)
+
+
 def test_direct_path_needs_unit_stride_tables_laid_out_alike():
     # its vector loads read a table row as contiguous memory, at one offset in cos and sin
     rope = ar.RoPE(64)
