@@ -338,8 +338,9 @@ def _store_fence(typingctx):
 # session). Smaller outputs take the same loop with plain stores (VECTOR): against the general
 # row loop, (1, 32, 512, 128) `out=` and rotate_qk ran 1.4-1.6x faster for the half types in
 # the half layout, 1.0-1.1x otherwise (bench/RESULTS.md, tenth session). So does in place at
-# every size: 1.07-1.36x on (1, 32, 512, 128) and 1.08-1.27x on (4, 32, 2048, 128) but for
-# float32 interleaved, 0.95-0.98x and 1.08x (eleventh session).
+# every size: 1.05-1.33x on (1, 32, 512, 128) and 1.05-1.26x on (4, 32, 2048, 128) in
+# bench/ab.py, though float32 interleaved at the middle size gave 0.95-0.98x in a longer A/B
+# (eleventh session).
 SCRATCH, DIRECT, VECTOR = 1, 2, 3  # the kernels' ``stream`` argument; 0: plain stores
 # Off: outputs below STREAM_ABOVE, and in place, take the general row loop (tests compare the
 # two paths).
@@ -1017,10 +1018,10 @@ def rotate_serial(
 
 
 # Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
-# tasks than threads balance nothing by themselves; each costs its call and index decoding. A few
-# per thread keep the shares within a task of each other. On two threads, 32 tasks ran
-# (1, 32, 512, 128) 1.00-1.16x as fast as 256, and (4, 32, 2048, 128) 0.96-1.06x
-# (bench/RESULTS.md, eleventh session).
+# tasks than threads balance nothing by themselves; each costs its call and index decoding.
+# Sixteen per thread, of equal size, keep the shares within one task (a sixteenth) of each
+# other. On two threads, 32 tasks ran (1, 32, 512, 128) 1.00-1.16x as fast as 256, and
+# (4, 32, 2048, 128) 0.96-1.06x (bench/RESULTS.md, eleventh session).
 _MIN_TASK_ROWS = 32
 _MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
 
