@@ -5,7 +5,8 @@ timing both versions in alternation, round after round, and comparing medians. T
 extracted (git archive) as the package ``arrayrope_base`` into a temporary folder; each version
 keeps its own Numba disk cache, so the first run compiles both.
 
-    python bench/ab.py HEAD~3            # large tensors, multi-axis and decode rows
+    python bench/ab.py HEAD~3            # large and (1, 32, 512, 128) tensors (out=, in
+                                         # place), multi-axis and decode rows
     python bench/ab.py main --quick      # fewer rounds
     python bench/ab.py HEAD --only decode
 """
