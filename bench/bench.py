@@ -222,7 +222,10 @@ def multi_axis_rows(repeats):
     return rows
 
 
-def decode_row(repeats):
+DECODE_CALLS = 500  # calls per batch
+
+
+def decode_row(rounds):
     import arrayrope as ar
 
     x = np.random.default_rng(0).standard_normal((1, 32, 1, 128)).astype(np.float32)
@@ -234,9 +237,7 @@ def decode_row(repeats):
     kv_cache = np.zeros((1, 8, 2048, 128), np.float32)  # k's heads, written at one position
     chunk = np.random.default_rng(3).standard_normal((1, 32, 16, 128)).astype(np.float32)
     chunk_pos = np.arange(1000, 1016)  # a prefill chunk of 16 tokens: 2**16 elements
-    n = 2000
-    results = {}
-    for name, fn in {
+    cases = {
         "ar.rotate(x, int)": lambda: ar.rotate(x, 1234),
         "RoPE.rotate(x, int)": lambda: rope.rotate(x, 1234),
         "ar.rotate(x, int, out=x)": lambda: ar.rotate(x, 1234, out=x),
@@ -246,18 +247,25 @@ def decode_row(repeats):
         "batch of 8, pos (8, 1, 1)": lambda: rope.rotate(batch, each),
         "chunk (1, 32, 16, 128)": lambda: rope.rotate(chunk, chunk_pos),
         "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
-    }.items():
+        # no arrayrope: how fast this minute runs Python (about 0.5 us on a quiet one here)
+        "(machine) sum(range(100))": lambda: sum(range(100)),
+    }
+    for fn in cases.values():
         fn()
-        samples = []
-        for _ in range(repeats):
+    samples = {name: [] for name in cases}
+    # The cases take turns, a batch each per round, so that a slow stretch of a shared machine
+    # (they last seconds) falls on every case alike instead of on whichever ran then.
+    for _ in range(rounds):
+        for name, fn in cases.items():
             start = time.perf_counter()
-            for _ in range(n):
+            for _ in range(DECODE_CALLS):
                 fn()
-            samples.append((time.perf_counter() - start) / n)
-        # The best batch is the code's own cost (a shared machine only adds to it); the median
-        # shows what the machine's neighbours added during this run.
-        results[name] = (float(np.min(samples)) * 1e6, float(np.median(samples)) * 1e6)
-    return results
+            samples[name].append((time.perf_counter() - start) / DECODE_CALLS)
+    # The best batch is the code's own cost (a shared machine only adds to it); the median
+    # shows what the machine's neighbours added during this run.
+    return {
+        name: (float(np.min(t)) * 1e6, float(np.median(t)) * 1e6) for name, t in samples.items()
+    }
 
 
 def gpu_rows(shapes, dtypes, repeats):
@@ -365,12 +373,14 @@ def main():
     )
     rows = []
     if not args.no_cpu:
-        decode = decode_row(repeats)
+        rounds = 4 * repeats
+        decode = decode_row(rounds)
         print(
             "\ndecode step x (1, 32, 1, 128) float32 (k: 8 heads; KV: a (1, 8, 2048, 128) cache;"
             " chunk: 16 tokens at once),"
             " us per call, every Python-level check included"
-            f" (best / median of {repeats} batches of 2000 calls):"
+            f" (best / median of {rounds} rounds, the cases taking turns, each a batch of"
+            f" {DECODE_CALLS} calls):"
         )
         for name, (best, median) in decode.items():
             print(f"  {name:26s} {best:7.2f} us / {median:7.2f} us")
