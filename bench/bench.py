@@ -247,7 +247,7 @@ def decode_row(rounds):
         "batch of 8, pos (8, 1, 1)": lambda: rope.rotate(batch, each),
         "chunk (1, 32, 16, 128)": lambda: rope.rotate(chunk, chunk_pos),
         "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
-        # no arrayrope: how fast this minute runs Python (about 0.5 us on a quiet one here)
+        # no arrayrope: how fast this minute runs Python (0.5-0.8 us in a quiet one here)
         "(machine) sum(range(100))": lambda: sum(range(100)),
     }
     for fn in cases.values():
