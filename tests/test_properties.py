@@ -397,6 +397,41 @@ def test_small_input_path_is_taken():
     assert not fast((x, k), 3, (x, x[:1]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary_dim", [128, 96, 48, 40, 6, 2])
+def test_small_path_writes_the_general_paths_bits(dtype, style, rotary_dim, rng):
+    # The small path rotates float16 and bfloat16 in vector steps (32 bytes, 16, then a pair
+    # at a time: these rotary dims take each mix, in both layouts), rows addressed by offset;
+    # other types take the row-view loop. Every layout must give the general path's bits and
+    # write nothing outside the result: allocated, into out= inside a poisoned buffer (the
+    # tail too), into a KV-cache slice from reversed rows, and in place.
+    from arrayrope import _api
+
+    rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim, max_positions=4096)
+    x = random_array(rng, (2, 5, 3, 128), dtype)
+    for pos, inverse in ((int(rng.integers(0, 4096)), False), (rng.integers(0, 4096, 3), True)):
+        assert _api.rotate_small(rope, x, pos, inverse, None) is not None  # the small path
+        (want,) = _general(rope, (x,), pos, inverse)
+        np.testing.assert_array_equal(bits(rope.rotate(x, pos, inverse=inverse)), bits(want))
+        buffer = poisoned((2, 5, 3, 130), dtype)
+        out = buffer[..., 1:129]  # one element off the buffer's alignment
+        rope.rotate(x, pos, inverse=inverse, out=out)
+        np.testing.assert_array_equal(bits(out), bits(want))
+        np.testing.assert_array_equal(
+            bits(buffer[..., [0, 129]]), bits(poisoned((2, 5, 3, 2), dtype))
+        )
+        cache = poisoned((2, 5, 8, 128), dtype)
+        reversed_x = x[::-1, :, ::-1].copy()[::-1, :, ::-1]  # x's values, reversed strides
+        rope.rotate(reversed_x, pos, inverse=inverse, out=cache[:, :, 4:7])
+        np.testing.assert_array_equal(bits(cache[:, :, 4:7]), bits(want))
+        np.testing.assert_array_equal(bits(cache[:, :, :4]), bits(poisoned((2, 5, 4, 128), dtype)))
+        np.testing.assert_array_equal(bits(cache[:, :, 7:]), bits(poisoned((2, 5, 1, 128), dtype)))
+        in_place = x.copy()
+        rope.rotate(in_place, pos, inverse=inverse, out=in_place)
+        np.testing.assert_array_equal(bits(in_place), bits(want))
+
+
 @pytest.mark.parametrize("factor", [1, 4])
 def test_fast_path_size_limit(factor, rng, monkeypatch):
     # The fast path takes inputs below SMALL_BELOW elements (q and k together), the general
