@@ -1176,16 +1176,16 @@ def rotate_rows(x, o, positions, tables, settings):
             return False
     if _overlap(x, o):
         return False
-    _small_rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse)
+    _small_path_rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse)
     return True
 
 
-def _small_rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+def _small_path_rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
     """rotate_rows's row loop, its checks passed."""
 
 
-@overload(_small_rows)
-def _small_rows_impl(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+@overload(_small_path_rows)
+def _small_path_rows_impl(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
     # float16 without F16C keeps the row-view loop: see direct_rows_impl
     if o.dtype == types.uint16 or (o.dtype == types.int16 and HARDWARE_F16):
         return _rows_in_steps[o.dtype == types.uint16]
