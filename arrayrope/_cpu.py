@@ -703,6 +703,26 @@ def _unit_feature_stride_impl(x, o):
     return lambda x, o: x.strides[x.ndim - 1] == x.itemsize and o.strides[o.ndim - 1] == o.itemsize
 
 
+def _whole_strides(x, o):
+    """Whether every stride of ``x`` (None: in place) and ``o`` is a whole number of elements."""
+
+
+@overload(_whole_strides)
+def _whole_strides_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: _whole_elements(o)
+    return lambda x, o: _whole_elements(x) and _whole_elements(o)
+
+
+@njit(inline="always")
+def _whole_elements(a):
+    """Whether every stride of ``a`` is a whole number of its elements."""
+    for s in a.strides:
+        if s % a.itemsize:
+            return False
+    return True
+
+
 def _count(positions):
     """len(positions), or 1 where ``positions`` is a single int."""
 
@@ -1154,13 +1174,15 @@ def rotate_rows(x, o, positions, tables, settings):
     position ``positions[(r // repeat) % len(positions)]`` (``positions`` may be one int:
     decode passes one, which is cheaper to hand over than an array). ``tables`` is cos and sin
     stacked, shape (2, rows, pairs). Returns False, having written nothing, where a feature
-    axis is not contiguous, a position is negative or past the table, or ``o`` is not ``x``
-    but their memory spans overlap (the caller then takes the general path, which copies such
-    features through a temporary and tells exact aliasing from partial overlap). These checks
-    are here because each costs Python 0.05-0.4 us. One position axis only. ``settings`` packs
-    repeat - 1, rotary_dim, the style and inverse into one int (see :func:`small_settings`):
-    every argument costs the call 0.02-0.1 us of unboxing, a decode step's whole rotation
-    about 0.8 us, and an int past 2**30 costs more to unbox than a smaller one.
+    axis is not contiguous, a stride is not a whole number of elements (the vector steps
+    address rows by element offsets), a position is negative or past the table, or ``o`` is
+    not ``x`` but their memory spans overlap (the caller then takes the general path, which
+    copies such arrays through a temporary and tells exact aliasing from partial overlap).
+    These checks are here because each costs Python 0.05-0.4 us. One position axis only.
+    ``settings`` packs repeat - 1, rotary_dim, the style and inverse into one int (see
+    :func:`small_settings`): every argument costs the call 0.02-0.1 us of unboxing, a decode
+    step's whole rotation about 0.8 us, and an int past 2**30 costs more to unbox than a
+    smaller one.
     """
     repeat = (settings >> 32) + 1
     rotary_dim = (settings >> 2) & 0x3FFFFFFF
@@ -1168,7 +1190,7 @@ def rotate_rows(x, o, positions, tables, settings):
     inverse = (settings & 1) != 0
     cos = tables[0]
     sin = tables[1]
-    if not _unit_feature_stride(x, o):
+    if not _unit_feature_stride(x, o) or not _whole_strides(x, o):
         return False
     period = _count(positions)
     for i in range(period):

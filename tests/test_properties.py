@@ -432,6 +432,26 @@ def test_small_path_writes_the_general_paths_bits(dtype, style, rotary_dim, rng)
         np.testing.assert_array_equal(bits(in_place), bits(want))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_path_refuses_strides_of_part_elements(dtype, rng):
+    # A leading stride that is not a whole number of elements (a view built on raw bytes)
+    # cannot be addressed by element offsets: the small path's kernel refuses it before
+    # writing, and the general path rotates a copy.
+    from arrayrope import _api
+
+    rope = ar.RoPE(8, style="half")
+    x = random_array(rng, (3, 8), dtype)
+    buffer = np.zeros(1024, np.uint8)
+    odd = np.ndarray((3, 8), dtype, buffer, offset=1, strides=(8 * x.itemsize + 1, x.itemsize))
+    odd[...] = x
+    assert _api.rotate_small(rope, odd, 5, False, None) is None
+    want = oracle(x, 5, style="half")
+    assert_matches(rope.rotate(odd, 5), want, x)
+    np.testing.assert_array_equal(bits(odd), bits(x))  # x untouched
+    rope.rotate(odd, 5, out=odd)
+    assert_matches(odd, want, x)
+
+
 @pytest.mark.parametrize("factor", [1, 4])
 def test_fast_path_size_limit(factor, rng, monkeypatch):
     # The fast path takes inputs below SMALL_BELOW elements (q and k together), the general
