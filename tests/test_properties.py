@@ -435,8 +435,8 @@ def test_small_path_writes_the_general_paths_bits(dtype, style, rotary_dim, rng)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_path_refuses_strides_of_part_elements(dtype, rng):
     # A leading stride that is not a whole number of elements (a view built on raw bytes)
-    # cannot be addressed by element offsets: the small path's kernel refuses it before
-    # writing, and the general path rotates a copy.
+    # cannot be addressed by element offsets: the small path refuses it before writing
+    # anything, and the general path rotates a copy.
     from arrayrope import _api
 
     rope = ar.RoPE(8, style="half")
@@ -450,6 +450,16 @@ def test_small_path_refuses_strides_of_part_elements(dtype, rng):
     np.testing.assert_array_equal(bits(odd), bits(x))  # x untouched
     rope.rotate(odd, 5, out=odd)
     assert_matches(odd, want, x)
+    # rotate_qk writes q before it rotates k: such a k (or k's out) must be seen before that
+    odd[...] = x
+    q_rot, k_rot = rope.rotate_qk(x, odd, 5)
+    np.testing.assert_array_equal(bits(k_rot), bits(q_rot))
+    assert_matches(q_rot, want, x)
+    k_out = np.ndarray((3, 8), dtype, buffer, offset=301, strides=odd.strides)
+    q_out = poisoned(x.shape, x.dtype)
+    rope.rotate_qk(x, x.copy(), 5, out=(q_out, k_out))
+    np.testing.assert_array_equal(bits(k_out), bits(q_out))
+    assert_matches(q_out, want, x)
 
 
 @pytest.mark.parametrize("factor", [1, 4])
