@@ -716,9 +716,13 @@ def _whole_strides_impl(x, o):
 
 @njit(inline="always")
 def _whole_elements(a):
-    """Whether every stride of ``a`` is a whole number of its elements."""
-    for s in a.strides:
-        if s % a.itemsize:
+    """Whether every stride that reaches an element of ``a`` (on an axis longer than 1) is a
+    whole number of its elements: NumPy's test for its ``aligned`` flag, but for the data
+    pointer."""
+    if a.size == 0:
+        return True
+    for k in range(a.ndim):
+        if a.shape[k] > 1 and a.strides[k] % a.itemsize:
             return False
     return True
 

@@ -460,6 +460,12 @@ def test_small_path_refuses_strides_of_part_elements(dtype, rng):
     rope.rotate_qk(x, x.copy(), 5, out=(q_out, k_out))
     np.testing.assert_array_equal(bits(k_out), bits(q_out))
     assert_matches(q_out, want, x)
+    # an axis of length 1 reaches no second element: its stride does not count
+    single = np.ndarray((1, 8), dtype, buffer, offset=600, strides=(17, x.itemsize))
+    single[...] = x[:1]
+    assert _api.rotate_small(rope, single, 5, False, None) is not None
+    q_rot, k_rot = rope.rotate_qk(x, single, 5)
+    np.testing.assert_array_equal(bits(k_rot), bits(q_rot[:1]))
 
 
 @pytest.mark.parametrize("factor", [1, 4])
