@@ -1,8 +1,4 @@
-"""Shared oracles, tolerances and options.
-
-``oracle`` is written from the paper, independently of arrayrope: float64 angles m * theta_i,
-float64 arithmetic, pairs chosen by style. ``matrix_oracle`` builds R^d_{Theta,m} of Eq. 15.
-"""
+"""Shared fixtures and options; the oracles and tolerances (``oracles.py``) re-exported."""
 
 import os
 import shutil
@@ -18,6 +14,21 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 tests need ml_dtypes")
+
+from oracles import (  # noqa: E402, F401  (re-exported to the test modules)
+    ABS_TOL,
+    BF16,
+    DTYPES,
+    REL_TOL,
+    assert_matches,
+    bits,
+    default_positions,
+    inv_freq,
+    matrix_oracle,
+    oracle,
+    poisoned,
+    random_array,
+)
 
 
 def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np):
@@ -41,23 +52,6 @@ def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np)
     return outs
 
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
-# Bound on |result - float64 oracle| relative to the row's largest |x|: float32 and float64
-# compute in their own precision (a few ulps); half types round once at the store (half an ulp).
-REL_TOL = {
-    np.dtype(np.float16): 2.0**-10,
-    BF16: 2.0**-7,
-    np.dtype(np.float32): 2.0**-21,
-    np.dtype(np.float64): 2.0**-48,
-}
-ABS_TOL = {
-    np.dtype(np.float16): 2.0**-24,
-    BF16: 2.0**-126,
-    np.dtype(np.float32): 1e-30,
-    np.dtype(np.float64): 1e-300,
-}
-
 settings.register_profile(
     "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -72,86 +66,6 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     settings.load_profile("slow" if config.getoption("--slow") else "default")
-
-
-def inv_freq(rotary_dim, base=10000.0):
-    return base ** (-2.0 * np.arange(rotary_dim // 2) / rotary_dim)
-
-
-def default_positions(shape):
-    lead = shape[:-1]
-    return np.arange(lead[-1]) if lead else np.zeros(())
-
-
-def oracle(
-    x,
-    pos=None,
-    *,
-    base=10000.0,
-    style="interleaved",
-    rotary_dim=None,
-    inverse=False,
-    scale=1.0,
-    freqs=None,
-):
-    """The float64 rotation of x (..., d) at positions broadcastable to x.shape[:-1]."""
-    x64 = np.asarray(x).astype(np.float64)
-    d = x64.shape[-1]
-    rot = d if rotary_dim is None else rotary_dim
-    theta = inv_freq(rot, base) if freqs is None else np.asarray(freqs, np.float64)
-    p = default_positions(x64.shape) if pos is None else np.asarray(pos, dtype=np.float64)
-    angle = np.broadcast_to(p, x64.shape[:-1])[..., None] * theta
-    if inverse:
-        angle = -angle
-    c, s = scale * np.cos(angle), scale * np.sin(angle)
-    if style == "interleaved":
-        first, second = np.arange(0, rot, 2), np.arange(1, rot, 2)
-    else:
-        first, second = np.arange(rot // 2), np.arange(rot // 2, rot)
-    a, b = x64[..., first], x64[..., second]
-    out = x64.copy()
-    out[..., first] = a * c - b * s
-    out[..., second] = b * c + a * s
-    return out
-
-
-def matrix_oracle(x, m, base=10000.0):
-    """R^d_{Theta,m} x for one vector, the explicit block-diagonal matrix of Eq. 15 (float64)."""
-    d = x.shape[-1]
-    r = np.zeros((d, d))
-    for i, theta in enumerate(inv_freq(d, base)):
-        c, s = np.cos(m * theta), np.sin(m * theta)
-        r[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = [[c, -s], [s, c]]
-    return r @ np.asarray(x, np.float64)
-
-
-def assert_matches(result, expected, x):
-    """result (any dtype) is within the dtype's tolerance of the float64 ``expected``."""
-    dtype = np.dtype(result.dtype)
-    got = np.asarray(result).astype(np.float64)
-    assert not np.isnan(got).any(), "unwritten (poisoned) or nan elements in the result"
-    scale = np.abs(np.asarray(x).astype(np.float64)).max(axis=-1, keepdims=True)
-    bound = REL_TOL[dtype] * scale + ABS_TOL[dtype]
-    err = np.abs(got - expected)
-    worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert (err <= bound).all(), (
-        f"{dtype}: error {err[worst]:.3g} > bound {bound[worst[:-1]][0]:.3g} at {worst}"
-    )
-
-
-def random_array(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
-
-
-def poisoned(shape, dtype):
-    out = np.empty(shape, dtype)
-    out[...] = np.nan
-    return out
-
-
-def bits(a):
-    """The bytes of a, for bit-exact comparisons (nan payloads included)."""
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 @pytest.fixture

@@ -2,60 +2,13 @@
 
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_matches, inv_freq, oracle, poisoned
+from conftest import DTYPES, assert_matches, inv_freq, poisoned
 from hypothesis import given
 from hypothesis import strategies as st
+from oracles import flux_oracle, qwen2_oracle, qwen3_oracle
 
 import arrayrope as ar
 from arrayrope import RopeValueError
-
-
-def _rotate_pairs64(x, angles, style, rotary_dim):
-    """Rotate x's pairs by per-pair angles (float64), pairs chosen by style."""
-    x64 = x.astype(np.float64)
-    if style == "interleaved":
-        a_idx, b_idx = np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
-    else:
-        a_idx, b_idx = np.arange(rotary_dim // 2), np.arange(rotary_dim // 2, rotary_dim)
-    a, b = x64[..., a_idx], x64[..., b_idx]
-    out = x64.copy()
-    out[..., a_idx] = a * np.cos(angles) - b * np.sin(angles)
-    out[..., b_idx] = b * np.cos(angles) + a * np.sin(angles)
-    return out
-
-
-def flux_oracle(x, pos, dims, base):
-    """FLUX-style: each axis rotates its own contiguous block of features, interleaved pairs."""
-    out, start = [], 0
-    for a, n in enumerate(dims):
-        out.append(oracle(x[..., start : start + n], pos[..., a], base=base))
-        start += n
-    return np.concatenate(out, axis=-1)
-
-
-def qwen2_oracle(x, pos, sections, base):
-    """Qwen2-VL M-RoPE as Hugging Face writes it: cos over the full head_dim per axis, split into
-    sections (twice, one per half), section i taken from axis i % 3."""
-    d = x.shape[-1]
-    freqs = pos[..., None].astype(np.float64) * inv_freq(d, base)  # (..., n_axes, d/2)
-    emb = np.concatenate([freqs, freqs], axis=-1)  # (..., n_axes, d)
-    bounds = np.cumsum(list(sections) * 2)[:-1]
-    parts = np.split(emb, bounds, axis=-1)
-    angle = np.concatenate([p[..., i % len(sections), :] for i, p in enumerate(parts)], axis=-1)
-    return _rotate_pairs64(x, angle[..., : d // 2], "half", d)
-
-
-def qwen3_oracle(x, pos, sections, base):
-    """Qwen3-VL: start from the time axis' frequencies, overwrite every n-th pair from offset a
-    with axis a's, up to n * sections[a] pairs."""
-    d = x.shape[-1]
-    n = len(sections)
-    freqs = pos[..., None].astype(np.float64) * inv_freq(d, base)  # (..., n_axes, d/2)
-    angle = freqs[..., 0, :].copy()
-    for a in range(1, n):
-        picked = slice(a, n * sections[a], n)
-        angle[..., picked] = freqs[..., a, picked]
-    return _rotate_pairs64(x, angle, "half", d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
