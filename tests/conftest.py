@@ -62,18 +62,51 @@ settings.register_profile(
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run long hypothesis searches")
+    parser.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the random inputs (the rng fixture and the fuzz workers); a fresh one "
+        "per run by default, printed in the header and beside every failure",
+    )
+
+
+_SEED = pytest.StashKey()
 
 
 def pytest_configure(config):
     settings.load_profile("slow" if config.getoption("--slow") else "default")
+    seed = config.getoption("--seed")
+    config.stash[_SEED] = (
+        seed if seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+    )
+
+
+def pytest_report_header(config):
+    return f"arrayrope random inputs: --seed {config.stash[_SEED]}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and "rng" in getattr(item, "fixturenames", ()):
+        seed = item.config.stash[_SEED]
+        report.sections.append(("random inputs", f"replay: pytest --seed {seed} '{item.nodeid}'"))
+    return report
+
+
+@pytest.fixture(scope="session")
+def session_seed(request):
+    """The run's seed (``--seed``), for workers in subprocesses."""
+    return request.config.stash[_SEED]
 
 
 @pytest.fixture
-def rng(request):
-    # A fresh seed per test run; printed on failure through the test id's parameter.
-    seed = np.random.SeedSequence().entropy % (2**32)
-    request.node.user_properties.append(("seed", seed))
-    return np.random.default_rng(seed)
+def rng(request, session_seed):
+    """A generator seeded from the run's seed and the test's id: the same inputs again with
+    ``--seed``."""
+    words = [session_seed] + list(request.node.nodeid.encode())
+    return np.random.default_rng(words)
 
 
 @pytest.fixture(scope="session")

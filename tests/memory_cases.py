@@ -1,7 +1,8 @@
 """Kernel routes through the public API on operands that touch inaccessible pages.
 
 Used three ways: by ``test_memory_bounds.py`` (guard pages, each route configuration in its own
-subprocess), by ``bench/memcheck.py`` (the same worker under Valgrind's memcheck) and by hand:
+subprocess), by ``bench/memcheck.py`` (the same worker under Valgrind's memcheck, operands on the
+heap) and by hand:
 
     python tests/memory_cases.py < cases.json      # a JSON list of case specs
 
@@ -22,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from guarded import guarded  # noqa: E402
+from guarded import guarded, span  # noqa: E402
 from oracles import BF16, assert_matches, oracle, qwen3_oracle  # noqa: E402
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -49,12 +50,30 @@ def _strides(shape, itemsize, layout):
     return tuple(strides)
 
 
+# "guard": operands in guarded pages; "heap": in NumPy allocations of exactly their span, which
+# Valgrind's memcheck surrounds with red zones (bench/memcheck.py).
+ALLOCATION = os.environ.get("MEMORY_CASES_ALLOCATION", "guard")
+
+
+def _on_heap(shape, dtype, strides, shift):
+    """An array of ``shape`` and byte ``strides`` at ``shift`` bytes into a heap block that
+    holds exactly its span."""
+    low, high = span(shape, strides, dtype.itemsize)
+    block = np.empty(high - low + shift, np.uint8)
+    return np.ndarray(shape, dtype, buffer=block, offset=shift - low, strides=strides)
+
+
 def make_array(rng, shape, dtype, layout, side, values=True):
-    """A guarded array of ``shape`` in ``layout``; random values unless ``values`` is False."""
+    """An operand of ``shape`` in ``layout`` (guarded, or on the heap: see ALLOCATION); random
+    values unless ``values`` is False (then nan)."""
     shift = 0
     if layout == "misaligned":
         side, shift = "before", max(1, dtype.itemsize // 2)
-    a = guarded(shape, dtype, _strides(shape, dtype.itemsize, layout), side=side, shift=shift)
+    strides = _strides(shape, dtype.itemsize, layout)
+    if ALLOCATION == "heap":
+        a = _on_heap(shape, dtype, strides, shift)
+    else:
+        a = guarded(shape, dtype, strides, side=side, shift=shift)
     if values:
         a[...] = rng.standard_normal(shape).astype(dtype)
     else:
@@ -97,7 +116,10 @@ def _positions(rng, spec, lead, n_axes, side):
             values = rng.integers(0, 4096, size=shape)
     if n_axes > 1:
         values = rng.integers(0, 64, size=tuple(values.shape) + (n_axes,))
-    pos = guarded(values.shape, values.dtype, side=side)
+    if ALLOCATION == "heap":
+        pos = _on_heap(values.shape, values.dtype, values.strides, 0)
+    else:
+        pos = guarded(values.shape, values.dtype, side=side)
     pos[...] = values
     return pos, values
 
