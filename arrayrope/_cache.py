@@ -1,96 +1,45 @@
-"""cos/sin tables for one set of pair frequencies.
+"""The one cache policy: every cache arrayrope keeps is a :class:`Bounded` dict.
 
-A table row p holds ``scale * cos(p * inv_freq[j])`` and ``scale * sin(...)`` for every rotated
-pair j. Rows are indexed by integer position; a multi-axis RoPE reads row ``pos[axis_of_pair[j]]``
-for pair j, so one table serves every layout.
-
-Two kinds of table:
-- the cache: rows 0..N-1, one per (device, dtype), built on first use and grown geometrically
-  under a lock, so concurrent callers never see a half-built table and growth is never per call;
-- exact tables: one row per position entry of a call, for real-valued positions and for integer
-  positions past the cache's cap.
+A lookup is a plain ``dict.get`` (a decode step's budget has no room for more); an insert past
+the limit drops the oldest entry first. Entries are things that are cheap to rebuild (plans,
+shared RoPEs, small device arrays), so first-in-first-out serves as well as least-recently-used
+without a bookkeeping write on every hit.
 """
 
-import threading
+import weakref
 
-import numpy as np
-
-# Default cap on the cached rows: 32 MiB for cos and sin together. Larger positions are computed
-# exactly per call instead of growing a table that would dwarf the data it rotates.
-DEFAULT_CACHE_BYTES = 32 << 20
-_MIN_ROWS = 256
+_every = []  # weak references to every Bounded (a dict is unhashable: no WeakSet)
 
 
-def _angles_to_tables(xp, angles, scale, dtype):
-    """cos and sin stacked: shape (2,) + angles.shape, so ``cos, sin = tables`` unpacks them as
-    views and a kernel call can take both as one argument."""
-    # Angles are float64 and so are cos/sin; the cast to the table dtype is the only rounding,
-    # which keeps position 10**6 as exact as position 10 (a float32 angle is off by ~0.06 rad).
-    tables = xp.stack((xp.cos(angles), xp.sin(angles)))
-    if scale != 1.0:
-        tables *= scale
-    return tables.astype(dtype, copy=False)
+class Bounded(dict):
+    """A dict of at most ``limit`` entries."""
+
+    __slots__ = ("limit", "__weakref__")
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        if len(_every) > 4096:
+            _every[:] = [ref for ref in _every if ref() is not None]
+        _every.append(weakref.ref(self))
+
+    def put(self, key, value):
+        """``self[key] = value``, dropping the oldest entry first where the dict is full."""
+        if len(self) >= self.limit and key not in self:
+            try:
+                del self[next(iter(self))]
+            except (StopIteration, KeyError, RuntimeError):  # another thread changed it first
+                pass
+        self[key] = value
+        return value
 
 
-class CosSinTables:
-    """The cache and the exact tables of one frequency set.
-
-    Parameters
-    ----------
-    inv_freq : float64 ndarray, shape (n_pairs,)
-    pair_axis : int64 ndarray, shape (n_pairs,)
-        The position axis each pair reads (all zero for 1-D RoPE).
-    scale : float
-        Attention scaling, multiplied into cos and sin.
-    max_rows : int or None
-        Cap on cached rows; None picks one from ``DEFAULT_CACHE_BYTES``.
-    """
-
-    def __init__(self, inv_freq, pair_axis, scale, max_rows=None):
-        self.inv_freq = inv_freq
-        self.pair_axis = pair_axis
-        self.scale = float(scale)
-        self.max_rows = max_rows
-        self._tables = {}
-        self._lock = threading.Lock()
-
-    def _cap(self, itemsize):
-        if self.max_rows is not None:
-            return self.max_rows
-        return max(_MIN_ROWS, DEFAULT_CACHE_BYTES // (2 * itemsize * max(1, self.inv_freq.size)))
-
-    def cached(self, xp, device, dtype, max_pos):
-        """cos and sin stacked, shape (2, rows, n_pairs) with rows > max_pos, or None past the
-        cap."""
-        key = (device, dtype)
-        tables = self._tables.get(key)
-        if tables is not None and tables.shape[1] > max_pos:
-            return tables
-        cap = self._cap(np.dtype(dtype).itemsize)
-        if max_pos >= cap:
-            return None
-        with self._lock:
-            tables = self._tables.get(key)
-            if tables is not None and tables.shape[1] > max_pos:
-                return tables
-            old = 0 if tables is None else tables.shape[1]
-            if self.max_rows is not None:
-                rows = cap  # a stated max_positions is built whole, once
-            else:
-                rows = min(cap, max(max_pos + 1, 2 * old, _MIN_ROWS))
-            angles = np.multiply.outer(np.arange(rows, dtype=np.float64), self.inv_freq)
-            tables = _angles_to_tables(np, angles, self.scale, dtype)
-            if xp is not np:
-                tables = xp.asarray(tables)
-            self._tables[key] = tables
-            return tables
-
-    def exact(self, xp, dtype, positions):
-        """cos and sin stacked, shape (2, R, n_pairs), for float64 ``positions`` of shape
-        (R, n_axes)."""
-        axis = self.pair_axis if xp is np else xp.asarray(self.pair_axis)
-        inv_freq = self.inv_freq if xp is np else xp.asarray(self.inv_freq)
-        # C order, as the cached tables: fancy indexing may hand back a transposed layout,
-        # which the kernels' vector loads along a row cannot use
-        angles = xp.ascontiguousarray(positions[:, axis] * inv_freq)
-        return _angles_to_tables(xp, angles, self.scale, dtype)
+def clear_all():
+    """Empty every cache: configuration changed, and what was built under it may not hold."""
+    alive = []
+    for ref in list(_every):
+        cache = ref()
+        if cache is not None:
+            cache.clear()
+            alive.append(ref)
+    _every[:] = alive

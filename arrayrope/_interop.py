@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from . import _arrays, _positions
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _CPU, _CUDA, _CUDA_MANAGED = 1, 2, 13  # DLPack device types
@@ -34,11 +35,7 @@ def adopt(name, a):
     """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy), and a function that returns a
     result (NumPy or CuPy) as ``a``'s own type. Raises for what DLPack cannot carry."""
     if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
-        from ._api import ACCEPTED
-
-        raise RopeTypeError(
-            f"{name} must be {ACCEPTED}, got {type(a).__module__}.{type(a).__name__}"
-        )
+        raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
     device_type = int(a.__dlpack_device__()[0])
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
@@ -99,12 +96,28 @@ def _restorer(framework):
     return lambda result: result
 
 
+def _host_positions(rope, pos, leads):
+    """Positions that are not a Dask array, checked, as host values of shape P + (n_axes or 1,)
+    and the highest."""
+    kind, values = _positions.resolve(pos, rope.n_axes)
+    if kind == _positions.NONE:
+        length = leads[0][-1] if leads[0] else 1
+        return _positions.defaults(length), length - 1
+    if kind == _positions.INT:
+        return np.full((1, 1), values, dtype=np.int64), values
+    values = _positions.with_axes(values, rope.n_axes, leads)
+    if _arrays.family(values) == _arrays.CUPY:
+        values = values.get()
+    if values.size == 0:
+        return values, -1
+    values, _, high = _positions.check_values(values)
+    return values, high
+
+
 def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
     """Lazy rotation of dask arrays: each chunk rotated by the kernel of its chunk type (NumPy
     or CuPy) with its own slice of positions. The feature axis is made whole first."""
     import dask.array as da
-
-    from ._api import _broadcasts, _family, _positions, _seq_len, _table_dtype
 
     # Checked now, not when a worker computes a chunk.
     if outs is not None:
@@ -120,7 +133,7 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
                 f"{name}.shape[-1] must equal head_dim ({rope.head_dim}), got "
                 f"{x.shape[-1] if x.ndim else 'a 0-d array'}"
             )
-        if _table_dtype(x.dtype) is None:
+        if _arrays.compute_dtype(x.dtype) is None:
             raise RopeTypeError(
                 f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
             )
@@ -132,7 +145,7 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
                 f"pos must end in an axis of size n_axes ({rope.n_axes}), got shape {pos.shape}"
             )
         values = pos if rope.n_axes > 1 else pos[..., None]
-        if not all(_broadcasts(values.shape[:-1], lead) for lead in leads):
+        if not all(_positions.broadcasts(values.shape[:-1], lead) for lead in leads):
             raise RopeValueError(
                 f"pos of shape {pos.shape} does not broadcast to the leading shape "
                 + " and ".join(str(lead) for lead in leads)
@@ -142,10 +155,10 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
             seq_len = int(values.max().compute()) + 1
         host = None
     else:
-        host, is_int, high = _positions(rope, pos, leads)
-        if _family(host) == "cupy":
-            host = host.get()
-        seq_len = _seq_len(rope, seq_len, high)
+        host, high = _host_positions(rope, pos, leads)
+        seq_len = _positions.seq_len_for(
+            rope.scaling is not None and rope.scaling.dynamic, seq_len, high
+        )
         values = host
 
     results = []

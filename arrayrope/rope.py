@@ -1,15 +1,16 @@
 """RoPE: one rotary-embedding configuration, its frequencies and its cos/sin caches."""
 
-import functools
+import dataclasses
 import math
 import operator
 import threading
 
 import numpy as np
 
-from . import _api
-from ._cache import CosSinTables
+from ._cache import Bounded
+from ._dispatch import Engine
 from ._errors import RopeTypeError, RopeValueError
+from ._tables import CosSinTables
 from .scaling import ScalingRule, plain_inv_freq
 
 STYLES = ("interleaved", "half")
@@ -73,21 +74,47 @@ def _segments(pair_axis):
     return np.array([(a, b, pair_axis[a]) for a, b in zip(starts, stops)], dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=64)
+def _frozen(a):
+    a = np.array(a, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Spec:
+    """What the kernels need of a RoPE, fixed when it is made. (Compared and hashed by
+    identity: a plan cache looks one up per call.)"""
+
+    head_dim: int
+    rotary_dim: int
+    style: str
+    half_style: bool  # pairs (x[i], x[i + rotary_dim/2]); else (x[2i], x[2i+1])
+    n_axes: int
+    pair_axis: np.ndarray  # int64 (rotary_dim // 2,): the position axis of each pair
+    segments: np.ndarray  # int64 (runs, 3): runs of pairs on one axis, (first, stop, axis)
+    dynamic: bool  # frequencies depend on the current length (DynamicNTK, LongRoPE)
+
+
+_restored = Bounded(64)
+
+
 def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
-    head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config
-    rope = RoPE.__new__(RoPE)
-    rope._setup(
-        head_dim,
-        rotary_dim,
-        style,
-        base,
-        max_positions,
-        scaling,
-        list(blocks),
-        np.array(pair_axis, dtype=np.int64),
-    )
+    rope = _restored.get(config)
+    if rope is None:
+        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config
+        rope = RoPE.__new__(RoPE)
+        rope._setup(
+            head_dim,
+            rotary_dim,
+            style,
+            base,
+            max_positions,
+            scaling,
+            list(blocks),
+            np.array(pair_axis, dtype=np.int64),
+        )
+        rope = _restored.put(config, rope)
     return rope
 
 
@@ -172,19 +199,25 @@ class RoPE:
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.style = style
-        self._half_style = style == "half"
         self.max_positions = max_positions
         self.scaling = scaling
         self.n_axes = int(pair_axis.max()) + 1
         self._blocks = tuple(blocks)
-        self._pair_axis = pair_axis
-        self._segments = _segments(pair_axis)
-        # Decode and prefill calls may take the fast path (see _api.rotate_small).
-        self._small = self.n_axes == 1 and (scaling is None or not scaling.dynamic)
-        self._plans = {}  # the fast path's tables and settings per dtype (see _api._small_plan)
-        self._sets = {}
+        self._spec = Spec(
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            style=style,
+            half_style=style == "half",
+            n_axes=self.n_axes,
+            pair_axis=_frozen(pair_axis),
+            segments=_frozen(_segments(pair_axis)),
+            dynamic=scaling is not None and scaling.dynamic,
+        )
+        # A long-running length-dependent rule must not pile up tables: one set per length.
+        self._sets = Bounded(64)
         self._lock = threading.Lock()
         self._default = self._freq_set(None)
+        self._engine = Engine(self._spec, self._freq_set, self)
 
     def _freq_set(self, seq_len):
         """The frequency set for a current sequence length (None: the short-length set)."""
@@ -200,13 +233,14 @@ class RoPE:
                     scale = 1.0
                 else:
                     inv_freq, scale = self.scaling.frequencies(self._blocks, key)
-                if len(self._sets) >= 64:  # a long-running dynamic rule must not pile up tables
-                    self._sets.clear()
-                found = self._sets[key] = FreqSet(
-                    np.ascontiguousarray(inv_freq, dtype=np.float64),
-                    self._pair_axis,
-                    scale,
-                    self.max_positions,
+                found = self._sets.put(
+                    key,
+                    FreqSet(
+                        np.ascontiguousarray(inv_freq, dtype=np.float64),
+                        self._spec.pair_axis,
+                        scale,
+                        self.max_positions,
+                    ),
                 )
         return found
 
@@ -348,7 +382,7 @@ class RoPE:
             self.max_positions,
             self.scaling,
             self._blocks,
-            tuple(int(a) for a in self._pair_axis),
+            tuple(int(a) for a in self._spec.pair_axis),
             self.base,
         )
         return _restore, (config,)
@@ -401,12 +435,7 @@ class RoPE:
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
-        if self._small and (backend == "auto" or backend == "numba"):
-            small = _api.rotate_small(self, x, pos, inverse, out)
-            if small is not None:
-                return small
-        outs = None if out is None else (out,)
-        return _api.apply(self, (x,), pos, inverse, outs, backend, seq_len)[0]
+        return self._engine.rotate(x, pos, inverse, out, backend, seq_len)
 
     def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
         """Rotate queries and keys by the same positions in one pass.
@@ -417,17 +446,7 @@ class RoPE:
         is None or a pair (q_out, k_out). Returns (q_rot, k_rot). Other parameters as in
         :meth:`rotate`.
         """
-        if out is not None:
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise RopeTypeError(
-                    f"out must be None or a pair (q_out, k_out), got {type(out).__name__}"
-                )
-            out = tuple(out)
-        if self._small and (backend == "auto" or backend == "numba"):
-            small = _api.rotate_qk_small(self, q, k, pos, inverse, out)
-            if small is not None:
-                return small
-        return _api.apply(self, (q, k), pos, inverse, out, backend, seq_len)
+        return self._engine.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
 
     def cos_sin(self, pos, like=None, *, seq_len=None):
         """The cos and sin tables for ``pos``, attention scaling included.
@@ -443,4 +462,4 @@ class RoPE:
         -------
         (cos, sin), each of shape P + (rotary_dim // 2,); pair j uses frequency ``inv_freq[j]``.
         """
-        return _api.cos_sin(self, pos, like, seq_len)
+        return self._engine.cos_sin(pos, like, seq_len)

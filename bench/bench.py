@@ -84,9 +84,9 @@ def streaming_copier():
     much faster than np.copyto and the plain threaded copy, so a second, stricter ceiling."""
     from numba import njit, prange
 
-    from arrayrope import _cpu
+    from arrayrope.backends.cpu import _config, _rows, _simd
 
-    if not _cpu.STREAMING:
+    if not _config.STREAMING:
         return None
 
     @njit(parallel=True, cache=True)
@@ -96,8 +96,8 @@ def streaming_copier():
         for task in prange(64):
             first = min(task * per, n)
             stop = min(first + per, n)
-            _cpu._stream_copy(src[first:stop], dst, np.uint64(first), np.uint64(stop - first))
-            _cpu._store_fence()
+            _rows._stream_copy(src[first:stop], dst, np.uint64(first), np.uint64(stop - first))
+            _simd.store_fence()
 
     return streaming_copy
 
@@ -295,9 +295,9 @@ def gpu_rows(shapes, dtypes, repeats):
             return False
         row["ms"], row["host us"] = t * 1e3, host * 1e6
         if row["op"].startswith(("cupy rotate", "decode cupy")):
-            from arrayrope import _cuda_cupy
+            from arrayrope.backends.cuda import cupy as cupy_backend
 
-            row["entry"] = _cuda_cupy.last_entry  # which kernel variant ran
+            row["entry"] = cupy_backend.last_entry  # which kernel variant ran
         return True
 
     rows = []

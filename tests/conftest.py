@@ -1,5 +1,6 @@
 """Shared fixtures and options; the oracles and tolerances (``oracles.py``) re-exported."""
 
+import contextlib
 import os
 import shutil
 
@@ -32,24 +33,27 @@ from oracles import (  # noqa: E402, F401  (re-exported to the test modules)
 
 
 def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np):
-    """Rotate ``xs`` through one backend's launcher, on the API's own position and table path.
+    """Rotate ``xs`` through one backend's ``launch`` on the API's own general plan (positions,
+    tables, operands the kernels can address), for launchers the API does not route these
+    arrays to: numba.cuda on NumPy arrays under the simulator, the CUDA C source's host build."""
+    from arrayrope import _arrays, _plan, _positions
 
-    For kernels the API cannot route NumPy arrays to (numba.cuda under the simulator).
-    """
-    from arrayrope import _api
+    outs = tuple(xp.empty_like(x) for x in xs) if outs is None else tuple(outs)
+    kind, value = _positions.resolve(pos, rope.n_axes)
+    plan = _plan.GeneralPlan(rope._engine, xs, outs, kind, "numba", _arrays.family(xs[0]))
+    plan.launch = launch
+    return plan.run(tuple(xs), value, inverse, outs, None)
 
-    outs = tuple(xp.empty_like(x) for x in xs) if outs is None else outs
-    values, is_int, high = _api._positions(rope, pos, [x.shape[:-1] for x in xs])
-    dtype = _api._table_dtype(xs[0].dtype)
-    device = None if xp is np else xs[0].device.id
-    cos, sin, idx = _api._tables(rope, values, is_int, high, xp, device, dtype, None)
-    operands, write_back = _api._kernel_operands(
-        xs, outs, idx, xp, "numpy" if xp is np else "cupy", (None,) * len(xs)
-    )
-    launch(rope, operands, cos, sin, inverse)
-    for temp, out in write_back:
-        out[...] = temp
-    return outs
+
+@pytest.fixture
+def cpu_config():
+    """``cpu_config(**changes)`` changes the CPU backend's launch thresholds for the rest of
+    the test (see ``arrayrope.backends.cpu._config.Config``); plans built under other values
+    are dropped on the way in and out."""
+    from arrayrope.backends.cpu import _config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(_config.override(**changes))
 
 
 settings.register_profile(

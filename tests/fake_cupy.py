@@ -336,14 +336,10 @@ def installed(library):
     device-side caches fresh before and after (they are keyed by device id, which the real CuPy
     would share)."""
 
-    from arrayrope import _api, _cuda_cupy, _device
+    from arrayrope import _cache
 
     def forget():
-        _api._cached_rope.cache_clear()
-        _api._small_ropes.clear()
-        _cuda_cupy._modules.clear()
-        _cuda_cupy._functions.clear()
-        _device._kept.clear()
+        _cache.clear_all()  # plans, shared RoPEs, compiled modules, device arrays
         transfers.clear()
 
     fake = make(library)

@@ -14,7 +14,7 @@ import subprocess
 
 import numpy as np
 
-from arrayrope._cuda_cupy import KERNEL_NAMES, SOURCE
+from arrayrope.backends.cuda.cupy import KERNEL_NAMES, SOURCE
 
 GXX = shutil.which("g++")
 

@@ -96,10 +96,10 @@ def test_fused_qkv_views_in_place(rng):
 
 
 def test_large_input_runs_the_parallel_kernel(rng):
-    from arrayrope import _cpu
+    from arrayrope.backends.cpu import _config
 
     x = rng.standard_normal((2, 4, 3000, 32)).astype(np.float32)
-    assert x.size >= _cpu.SERIAL_BELOW
+    assert x.size >= _config.CONFIG.serial_below
     pos = rng.integers(0, 10**6, 3000)
     k = rng.standard_normal((2, 1, 3000, 32)).astype(np.float32)
     q_out, k_out = poisoned(x.shape, x.dtype), poisoned(k.shape, k.dtype)

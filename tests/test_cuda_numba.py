@@ -17,7 +17,7 @@ cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
 if not GPU_PRESENT and not cuda.is_available():
     pytest.skip("numba.cuda is neither simulated nor backed by a GPU", allow_module_level=True)
 
-from arrayrope import _cuda_numba  # noqa: E402
+from arrayrope.backends.cuda import numba as cuda_numba  # noqa: E402
 
 if GPU_PRESENT:
     xp = pytest.importorskip("cupy", reason="GPU numba-cuda tests take CuPy arrays")
@@ -40,7 +40,7 @@ def test_matches_oracle(dtype, style, rotary_dim, inverse):
     rope = ar.RoPE(12, style=style, rotary_dim=rotary_dim)
     out = xp.asarray(poisoned(x.shape, dtype))
     (y,) = run_launcher(
-        _cuda_numba.launch, rope, (xp.asarray(x),), pos, inverse=inverse, outs=(out,), xp=xp
+        cuda_numba.launch, rope, (xp.asarray(x),), pos, inverse=inverse, outs=(out,), xp=xp
     )
     expected = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
     assert_matches(_to_host(y), expected, x)
@@ -80,7 +80,7 @@ def test_layouts(layout):
         "features": lambda b: b[0, :, :3, ::2],
     }.get(layout, lambda b: b[2, :, :2, :8])(device)
     outs = (dview,) if layout == "inplace" else None
-    (y,) = run_launcher(_cuda_numba.launch, rope, (dview,), pos, outs=outs, xp=xp)
+    (y,) = run_launcher(cuda_numba.launch, rope, (dview,), pos, outs=outs, xp=xp)
     np.testing.assert_allclose(_to_host(y), expected, rtol=0, atol=2e-6)
 
 
@@ -90,7 +90,7 @@ def test_rotate_qk_grouped_heads_in_one_launch():
     k = rng.standard_normal((2, 3, 8)).astype(np.float32)
     pos = rng.integers(0, 10**5, size=3)
     rope = ar.RoPE(8)
-    qr, kr = run_launcher(_cuda_numba.launch, rope, (xp.asarray(q), xp.asarray(k)), pos, xp=xp)
+    qr, kr = run_launcher(cuda_numba.launch, rope, (xp.asarray(q), xp.asarray(k)), pos, xp=xp)
     np.testing.assert_allclose(_to_host(qr), ar.rotate(q, pos), rtol=0, atol=2e-6)
     np.testing.assert_allclose(_to_host(kr), ar.rotate(k, pos), rtol=0, atol=2e-6)
 
@@ -101,7 +101,7 @@ def test_multi_axis_positions():
     x = rng.standard_normal((5, 16)).astype(np.float32)
     pos = rng.integers(0, 1000, size=(5, 3))
     (y,) = run_launcher(
-        _cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos) if xp is not np else pos, xp=xp
+        cuda_numba.launch, rope, (xp.asarray(x),), xp.asarray(pos) if xp is not np else pos, xp=xp
     )
     np.testing.assert_allclose(_to_host(y), rope.rotate(x, pos), rtol=0, atol=2e-6)
 
@@ -113,7 +113,7 @@ COMPILE_EVERY_KERNEL = """
 import sys
 import numpy as np
 from numba import cuda, types
-from arrayrope import _cuda_numba
+from arrayrope.backends.cuda import numba as cuda_numba
 
 def signature(storage, compute):
     data, rows = types.Array(storage, 1, "C"), types.Array(types.int64, 1, "C")
@@ -132,7 +132,7 @@ except Exception as error:  # no NVRTC or NVVM here
     sys.exit(0)
 for bf16_bits, compute, storage, compute_type in cases:
     for half_style in (False, True):
-        kernel = _cuda_numba._kernel(bf16_bits, half_style, compute)
+        kernel = cuda_numba._kernel(bf16_bits, half_style, compute)
         for cc in ((8, 0), (9, 0)):
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature(storage, compute_type), cc=cc)
             assert ".entry" in ptx

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import arrayrope as ar
-from arrayrope._cuda_cupy import KERNEL_NAMES, SOURCE
+from arrayrope.backends.cuda.cupy import KERNEL_NAMES, SOURCE
 
 NVCC = shutil.which("nvcc")
 
@@ -107,12 +107,12 @@ def test_entry_points_per_dtype_and_style():
 def _host_launcher(library, launched=None):
     """The CuPy launcher's packing (launch_plan), run by the host build of the source; the
     names of the entry points it ran are appended to ``launched``."""
-    from arrayrope._cuda_cupy import launch_plan
+    from arrayrope.backends.cuda.cupy import launch_plan
 
-    def launch(rope, operands, cos, sin, inverse):
+    def launch(spec, operands, cos, sin, inverse):
         tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-        name, grid, block, arrays, g, nlead, scalars = launch_plan(rope, operands, tables, inverse)
-        args = (*arrays, g, nlead, *tables, rope._pair_axis.astype(np.int32), *scalars)
+        name, grid, block, arrays, g, nlead, scalars = launch_plan(spec, operands, tables, inverse)
+        args = (*arrays, g, nlead, *tables, spec.pair_axis.astype(np.int32), *scalars)
         run_kernel(library, name, grid, block, args, lambda a: a.ctypes.data)
         if launched is not None:
             launched.append(name)

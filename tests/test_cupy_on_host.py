@@ -11,6 +11,7 @@ numerical checks with the real CuPy on a GPU.
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -176,8 +177,13 @@ def test_steps_copy_nothing_to_the_device(cp, rng, backend):
         rope.rotate(x, out=out, backend=backend)
         rope.rotate_qk(x, x, step, out=(out, cp.empty_like(x)), backend=backend)
     assert cp.transfers == []
-    rope.rotate(x, np.array([7]), out=out, backend=backend)  # a host array: its one copy
-    assert cp.transfers == [((1, 1), np.dtype(np.int64))]
+    rope.rotate(x, np.array([7]), out=out, backend=backend)  # one host position: a table row
+    assert cp.transfers == []
+    rows = cp.asarray(rng.standard_normal((1, 32, 2, 128)).astype(np.float32))
+    rope.rotate(rows, np.array([1, 2]), backend=backend)  # the layout's geometry goes once
+    cp.transfers.clear()
+    rope.rotate(rows, np.array([7, 9]), backend=backend)  # a host array: its one copy
+    assert cp.transfers == [((2, 1), np.dtype(np.int64))]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +191,7 @@ def test_steps_copy_nothing_to_the_device(cp, rng, backend):
     [
         ([-1, 2], "non-negative"),
         ([0.5, np.nan], "finite"),
-        ([0, 2**31], "< 2\\*\\*31"),
+        ([0, 2**31], "below 2\\*\\*31"),
     ],
 )
 def test_bad_device_positions_leave_out_untouched(cp, pos, message):
@@ -213,14 +219,14 @@ def test_gpu_benchmark_script_runs(cp, monkeypatch):
     # lost to a slip in the script. A case that fails must cost its own row only: numba-cuda,
     # which cannot take the stand-in's arrays, is made to fail here on purpose.
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
-    from arrayrope import _api
+    from arrayrope import backends
     from bench.bench import gpu_rows
     from bench.gpu_check import table
 
     def broken(*args):
         raise RuntimeError("numba-cuda is not run on the stand-in")
 
-    monkeypatch.setitem(_api._launchers, "numba-cuda", broken)
+    monkeypatch.setitem(backends._loaded, "numba-cuda", types.SimpleNamespace(launch=broken))
     rows = gpu_rows([(1, 2, 4, 128)], [np.float32, np.float16, BF16], repeats=2)
     assert len(rows) == 3 * 2 * 3 + 2
     for row in rows:

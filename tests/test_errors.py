@@ -162,7 +162,7 @@ def test_unavailable_gpu_backend_names_the_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "cupy", None)
-    from arrayrope import _cuda_cupy
+    from arrayrope.backends.cuda import cupy
 
     with pytest.raises(BackendUnavailableError, match="pip install"):
-        _cuda_cupy.require_cupy()
+        cupy.require_cupy()

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from conftest import BF16
 
-cpu = pytest.importorskip("arrayrope._cpu", reason="the CPU kernels need Numba")
+convert = pytest.importorskip(
+    "arrayrope.backends.cpu._convert", reason="the CPU kernels need Numba"
+)
 from numba import njit  # noqa: E402
 
 ALL_F16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.int16)
@@ -18,32 +20,32 @@ ALL_F16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.int16)
 @njit
 def _widen_soft(bits, out):
     for i in range(bits.size):
-        out[i] = cpu._f16_to_f32(bits[i])
+        out[i] = convert.f16_to_f32(bits[i])
 
 
 @njit
 def _narrow_soft(values, out):
     for i in range(values.size):
-        out[i] = cpu._f32_to_f16(values[i])
+        out[i] = convert.f32_to_f16(values[i])
 
 
 @njit
 def _widen_bf16(bits, out):
     for i in range(bits.size):
-        out[i] = cpu._bf16_to_f32(bits[i])
+        out[i] = convert.bf16_to_f32(bits[i])
 
 
 @njit
 def _narrow_bf16(values, out):
     for i in range(values.size):
-        out[i] = cpu._f32_to_bf16(values[i])
+        out[i] = convert.f32_to_bf16(values[i])
 
 
 @njit
 def _round_trip_loaded(bits, out):
     # through the overloads the kernels use (hardware F16C where available)
     for i in range(bits.size):
-        cpu._store(out, np.uint64(i), cpu._load(bits, np.uint64(i)))
+        convert.store(out, np.uint64(i), convert.load(bits, np.uint64(i)))
 
 
 def _float32_samples():
@@ -130,20 +132,19 @@ def test_kernels_on_the_software_float16_path():
 
     code = (
         "import numpy as np, arrayrope as ar\n"
-        "from arrayrope import _cpu\n"
-        "assert not _cpu.HARDWARE_F16\n"
+        "from arrayrope.backends.cpu import _config, _rows\n"
+        "assert not _config.HARDWARE_F16\n"
         "x = (np.random.default_rng(0).standard_normal((3, 5, 16)) * 300).astype(np.float16)\n"
         "for style in ('interleaved', 'half'):\n"
         "    ref = ar.rotate(x, 1000, style=style, backend='numpy')\n"
-        "    fast = ar.rotate(x, 1000, style=style)\n"
-        "    limit, _cpu.SMALL_BELOW = _cpu.SMALL_BELOW, 0  # the general path's kernel\n"
-        "    general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
-        "    _cpu.SMALL_BELOW = limit\n"
-        "    assert (fast.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
+        "    rows = ar.rotate(x, 1000, style=style)\n"
+        "    with _config.override(small_below=0):  # the general strategy's kernel\n"
+        "        general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
+        "    assert (rows.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         # no F16C instruction anywhere in the general kernel, the direct streaming path's
         # vector steps included: without F16C they would be calls Numba's JIT may not link
-        "for code in _cpu.rotate_serial.inspect_asm().values():\n"
+        "for code in _rows.rotate_serial.inspect_asm().values():\n"
         "    assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
     )
     env = dict(os.environ, ARRAYROPE_SOFT_F16="1")

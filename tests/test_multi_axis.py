@@ -76,7 +76,7 @@ def test_qwen3_vl_per_entry_tables_every_path(rng, dtype):
 def test_per_entry_tables_for_q_and_k_with_their_own_positions(rng):
     """At the launcher, q and k may carry different position arrays: each gets its own
     entries in the stacked per-entry tables."""
-    from arrayrope import _cpu
+    from arrayrope.backends import cpu
 
     sections = (24, 20, 20)
     rope = ar.RoPE.sectioned(128, sections, assign="interleaved")
@@ -86,7 +86,7 @@ def test_per_entry_tables_for_q_and_k_with_their_own_positions(rng):
     pos_k = rng.integers(0, 300, size=(1, 7, 3))
     cos, sin = rope._default.tables.cached(np, None, np.dtype(np.float32), 300)
     outs = (poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype))
-    _cpu.launch(rope, [(q, outs[0], pos_q), (k, outs[1], pos_k)], cos, sin, False)
+    cpu.launch(rope._spec, [(q, outs[0], pos_q), (k, outs[1], pos_k)], cos, sin, False)
     assert_matches(outs[0], qwen3_oracle(q, pos_q, sections, 10000.0), q)
     assert_matches(outs[1], qwen3_oracle(k, pos_k, sections, 10000.0), k)
 
@@ -158,7 +158,7 @@ def test_cos_sin_and_rotate_qk_take_axes(rng):
     cos, sin = rope.cos_sin(pos)
     assert cos.shape == (5, 8)
     theta = inv_freq(16)
-    angle = pos[:, rope._pair_axis] * theta
+    angle = pos[:, rope._spec.pair_axis] * theta
     np.testing.assert_allclose(cos, np.cos(angle), atol=1e-7)
     np.testing.assert_allclose(sin, np.sin(angle), atol=1e-7)
     q = rng.standard_normal((4, 5, 16)).astype(np.float32)

@@ -235,17 +235,16 @@ def test_float32_is_exact_at_large_positions(m):
     assert err <= 4 * ulp, f"position {m}: error {err:.3g} is {err / ulp:.1f} float32 ulps"
 
 
-def _general(rope, xs, pos, inverse):
-    """The general path's results (poisoned outputs, so that unwritten elements show)."""
-    from arrayrope import _api
-
-    outs = tuple(poisoned(x.shape, x.dtype) for x in xs)
-    return _api.apply(rope, tuple(xs), pos, inverse, outs, "numba", None)
+def _reference(rope, xs, pos, inverse):
+    """The reference backend's results: array operations in float32 (float64), the same
+    operations in the same order as the kernels, so the same bits."""
+    return tuple(rope.rotate(x, pos, inverse=inverse, backend="numpy") for x in xs)
 
 
-def _fast_path_agrees(rope, x, k, pos, inverse, kw):
-    """Every fast-path call on x (and k) matches the general path bit for bit."""
-    (general,) = _general(rope, (x,), pos, inverse)
+def _every_call_agrees(rope, x, k, pos, inverse, kw):
+    """Every way to call on x (and k) gives the reference's bits: allocating, into out=, in
+    place, into a strided out, through the module-level functions, and rotate_qk."""
+    (want,) = _reference(rope, (x,), pos, inverse)
     new = rope.rotate(x, pos, inverse=inverse)
     given_out = rope.rotate(x, pos, inverse=inverse, out=poisoned(x.shape, x.dtype))
     inplace = x.copy()
@@ -256,17 +255,16 @@ def _fast_path_agrees(rope, x, k, pos, inverse, kw):
     strided = rope.rotate(buffer[..., 0, :], pos, inverse=inverse, out=buffer[..., 1, :])
     np.testing.assert_array_equal(bits(buffer[..., 0, :]), bits(x))  # x is untouched
     for result in (new, given_out, inplace, strided):
-        np.testing.assert_array_equal(bits(result), bits(general))
+        np.testing.assert_array_equal(bits(result), bits(want))
     assert_matches(new, oracle(x, pos, inverse=inverse, **kw), x)
-    ar.rotate(x, 0, **kw)  # the module-level function's shared RoPE exists from here on
-    np.testing.assert_array_equal(bits(ar.rotate(x, pos, inverse=inverse, **kw)), bits(general))
-    qk_general = _general(rope, (x, k), pos, inverse)
+    np.testing.assert_array_equal(bits(ar.rotate(x, pos, inverse=inverse, **kw)), bits(want))
+    qk_want = _reference(rope, (x, k), pos, inverse)
     q_new, k_new = rope.rotate_qk(x, k, pos, inverse=inverse)
     q_in, k_in = x.copy(), k.copy()
     rope.rotate_qk(q_in, k_in, pos, inverse=inverse, out=(q_in, k_in))
     for q_result, k_result in ((q_new, k_new), (q_in, k_in)):
-        np.testing.assert_array_equal(bits(q_result), bits(qk_general[0]))
-        np.testing.assert_array_equal(bits(k_result), bits(qk_general[1]))
+        np.testing.assert_array_equal(bits(q_result), bits(qk_want[0]))
+        np.testing.assert_array_equal(bits(k_result), bits(qk_want[1]))
 
 
 @given(
@@ -279,26 +277,24 @@ def _fast_path_agrees(rope, x, k, pos, inverse, kw):
     ),
     st.booleans(),
 )
-def test_small_input_path_matches_the_general_path(cfg, pos, inverse):
-    # rotate and rotate_qk on small C-contiguous arrays at an int, a NumPy integer scalar (or
-    # default) position take the fast path, allocating, into out= or in place. They must match
-    # the general path.
+def test_every_way_to_call_gives_the_same_bits(cfg, pos, inverse):
+    # an int, a NumPy integer scalar or default positions; allocating, into out=, in place
     rng, x, kw = _setup(cfg)
     k = random_array(rng, x.shape, x.dtype)
-    _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
+    _every_call_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
 
 
 @st.composite
 def array_positions(draw, lead):
     """Integer positions for a leading shape: one contiguous block of its axes varies, the
     others broadcast (size 1, or dropped on the left), as decode and prefill pass them; or,
-    sometimes, a pattern the fast path leaves to the general one."""
+    sometimes, a pattern the one-thread row kernel leaves to the general strategy."""
     n = len(lead)
     first = draw(st.integers(0, n))
     stop = draw(st.integers(first, n))
     shape = [lead[k] if first <= k < stop else 1 for k in range(n)]
     if draw(st.booleans()) and n >= 3:
-        shape[n - 2] = 1  # a broadcast axis inside the varying block: not the fast pattern
+        shape[n - 2] = 1  # a broadcast axis inside the varying block: not a row pattern
     shape = shape[draw(st.integers(0, n)) :] if draw(st.booleans()) else shape
     dtype = draw(st.sampled_from([np.int64, np.int32, np.uint16]))
     top = draw(st.sampled_from([50, 4096, 2**31 - 1]))
@@ -307,17 +303,16 @@ def array_positions(draw, lead):
 
 
 @given(configs(), st.data(), st.booleans())
-def test_small_input_path_with_array_positions_matches_the_general_path(cfg, data, inverse):
+def test_every_way_to_call_with_array_positions_gives_the_same_bits(cfg, data, inverse):
     rng, x, kw = _setup(cfg)
     k = random_array(rng, x.shape, x.dtype)
     pos = data.draw(array_positions(cfg["lead"]))
-    _fast_path_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
+    _every_call_agrees(ar.RoPE(cfg["d"], **kw), x, k, pos, inverse, kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_inputs_with_strided_features_are_rotated_once(dtype, rng):
-    # The fast path's kernel refuses feature axes that are not contiguous, before writing
-    # anything, and the general path takes them through a temporary: each array is rotated
+    # A feature axis that is not contiguous goes through a temporary: each array is rotated
     # exactly once, in place included, and rotate_qk never writes q before it knows k goes too.
     rope = ar.RoPE(8, style="half")
     x = random_array(rng, (3, 8), dtype)
@@ -350,69 +345,19 @@ def test_small_inputs_with_strided_features_are_rotated_once(dtype, rng):
     assert_matches(k_out, want_k, k)
 
 
-def test_small_input_path_is_taken():
-    from arrayrope import _api
-
-    rope = ar.RoPE(8)
-
-    def fast(xs, pos, outs=None):
-        if len(xs) == 1:
-            return _api.rotate_small(rope, xs[0], pos, False, outs and outs[0]) is not None
-        return _api.rotate_qk_small(rope, *xs, pos, False, outs) is not None
-
-    x = np.ones((2, 8), np.float32)
-    assert fast((x,), 3)
-    assert fast((x,), np.int64(3))  # NumPy integer scalars too
-    assert fast((x,), np.uint16(3))
-    assert not fast((x,), np.int64(-1))  # refused: general
-    assert not fast((x,), np.float64(3.0))  # real-valued: general
-    assert fast((x,), np.array([3]))
-    assert fast((x,), np.array([3, 4]))
-    assert not fast((x[:, ::-1],), 3)  # the feature axis is not contiguous: general
-    assert fast((x[::-1],), 3)  # any leading strides
-    cache = np.zeros((1, 4, 16, 8), np.float32)
-    assert fast((np.ones((1, 4, 1, 8), np.float32),), 3, (cache[:, :, 5:6],))  # a KV-cache slice
-    batch = np.ones((2, 4, 1, 8), np.float32)  # (B, H, 1, d): batched decode
-    assert fast((batch,), np.array([[[5]], [[9]]]))
-    assert fast((batch,), np.array([5, 9])[:, None, None])
-    prefill = np.ones((2, 4, 3, 8), np.float32)
-    assert not fast((prefill,), np.array([[[0, 1, 2]], [[5, 6, 7]]]))  # (B, 1, T): general
-    assert not fast((x,), np.array([-1, 2]))  # refused: general
-    assert not fast((x,), np.array([10**6, 2]))  # past the table
-    assert not fast((x,), np.array([1.5, 2.0]))  # real-valued
-    # out= and in place; what might overlap, or is read-only, goes the general way
-    assert fast((x,), 3, (np.empty_like(x),))
-    assert fast((x,), 3, (x,))
-    assert not fast((x,), 3, (x[::-1],))
-    frozen = np.empty_like(x)
-    frozen.flags.writeable = False
-    assert not fast((x,), 3, (frozen,))
-    # q and k: one dtype; outs apart from each other and from the other operand
-    k = np.ones((1, 8), np.float32)
-    assert fast((x, k), 3)
-    assert fast((x, k), 3, (x, k))
-    assert not fast((x, k.astype(np.float64)), 3)
-    both = np.empty((3, 8), np.float32)
-    assert not fast((x, k), 3, (both[:2], both[1:]))
-    assert not fast((x, k), 3, (x, x[:1]))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("rotary_dim", [128, 96, 48, 40, 6, 2])
-def test_small_path_writes_the_general_paths_bits(dtype, style, rotary_dim, rng):
-    # The small path rotates float16 and bfloat16 in vector steps (32 bytes, 16, then a pair
-    # at a time: these rotary dims take each mix, in both layouts), rows addressed by offset;
-    # other types take the row-view loop. Every layout must give the general path's bits and
-    # write nothing outside the result: allocated, into out= inside a poisoned buffer (the
+def test_decode_sized_calls_write_the_reference_bits(dtype, style, rotary_dim, rng):
+    # The one-thread row kernel rotates float16 and bfloat16 in vector steps (32 bytes, 16,
+    # then a pair at a time: these rotary dims take each mix, in both layouts), rows addressed
+    # by offset; other types take the row-view loop. Every layout must give the reference's bits
+    # and write nothing outside the result: allocated, into out= inside a poisoned buffer (the
     # tail too), into a KV-cache slice from reversed rows, and in place.
-    from arrayrope import _api
-
     rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim, max_positions=4096)
     x = random_array(rng, (2, 5, 3, 128), dtype)
     for pos, inverse in ((int(rng.integers(0, 4096)), False), (rng.integers(0, 4096, 3), True)):
-        assert _api.rotate_small(rope, x, pos, inverse, None) is not None  # the small path
-        (want,) = _general(rope, (x,), pos, inverse)
+        (want,) = _reference(rope, (x,), pos, inverse)
         np.testing.assert_array_equal(bits(rope.rotate(x, pos, inverse=inverse)), bits(want))
         buffer = poisoned((2, 5, 3, 130), dtype)
         out = buffer[..., 1:129]  # one element off the buffer's alignment
@@ -433,18 +378,14 @@ def test_small_path_writes_the_general_paths_bits(dtype, style, rotary_dim, rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_small_path_refuses_strides_of_part_elements(dtype, rng):
+def test_strides_of_part_elements_are_rotated_through_a_copy(dtype, rng):
     # A leading stride that is not a whole number of elements (a view built on raw bytes)
-    # cannot be addressed by element offsets: the small path refuses it before writing
-    # anything, and the general path rotates a copy.
-    from arrayrope import _api
-
+    # cannot be addressed by element offsets: such an array (or out) goes through a copy.
     rope = ar.RoPE(8, style="half")
     x = random_array(rng, (3, 8), dtype)
     buffer = np.zeros(1024, np.uint8)
     odd = np.ndarray((3, 8), dtype, buffer, offset=1, strides=(8 * x.itemsize + 1, x.itemsize))
     odd[...] = x
-    assert _api.rotate_small(rope, odd, 5, False, None) is None
     want = oracle(x, 5, style="half")
     assert_matches(rope.rotate(odd, 5), want, x)
     np.testing.assert_array_equal(bits(odd), bits(x))  # x untouched
@@ -463,81 +404,15 @@ def test_small_path_refuses_strides_of_part_elements(dtype, rng):
     # an axis of length 1 reaches no second element: its stride does not count
     single = np.ndarray((1, 8), dtype, buffer, offset=600, strides=(17, x.itemsize))
     single[...] = x[:1]
-    assert _api.rotate_small(rope, single, 5, False, None) is not None
     q_rot, k_rot = rope.rotate_qk(x, single, 5)
     np.testing.assert_array_equal(bits(k_rot), bits(q_rot[:1]))
 
 
-@pytest.mark.parametrize("factor", [1, 4])
-def test_fast_path_size_limit(factor, rng, monkeypatch):
-    # The fast path takes inputs below SMALL_BELOW elements (q and k together), the general
-    # path the rest; on either side the results are the general path's.
-    from arrayrope import _api, _cpu
-
-    monkeypatch.setattr(_cpu, "SERIAL_BELOW", 1024)
-    monkeypatch.setattr(_cpu, "SMALL_BELOW", 1024 * factor)
-    rope = ar.RoPE(16, style="half")
-    rope.rotate(np.ones(16, np.float32), 4999)  # the cache holds every position drawn below
-    limit = 1024 * factor
-    for rows in (limit // 16 - 1, limit // 16):
-        x = rng.standard_normal((rows, 16)).astype(np.float32)
-        pos = rng.integers(0, 5000, rows)
-        taken = _api.rotate_small(rope, x, pos, False, None)
-        assert (taken is not None) == (x.size < limit)
-        (general,) = _general(rope, (x,), pos, False)
-        np.testing.assert_array_equal(rope.rotate(x, pos), general)
-        np.testing.assert_array_equal(general if taken is None else taken, general)
-    q = rng.standard_normal((limit // 32, 16)).astype(np.float32)  # q and k: limit // 2 each
-    for k_rows in (limit // 32 - 1, limit // 32):
-        k = rng.standard_normal((k_rows, 16)).astype(np.float32)
-        taken = _api.rotate_qk_small(rope, q, k, 7, False, None)
-        assert (taken is not None) == (q.size + k.size < limit)
-
-
-def test_module_level_functions_take_the_fast_path(rng, monkeypatch):
-    from arrayrope import _api
-
-    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
-    for base in range(1000, 1070):  # more configurations than the registry keeps
-        ar.rotate(x, 1, base=float(base))
-    expected = ar.rotate(x, 9, base=500.0)  # builds and registers the shared RoPE
-    expected_qk = ar.rotate_qk(x, k, 9, base=500.0)
-    rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
-    assert _api._small_ropes[(16, 500.0, "interleaved", None)] is rope
-
-    def general(*args):
-        raise AssertionError("the general path was taken")
-
-    def lookup(*args):
-        raise AssertionError("the registry's slow lookup was taken")
-
-    monkeypatch.setattr(_api, "apply", general)
-    monkeypatch.setattr(_api, "shared_rope", lookup)  # one dict lookup finds the RoPE
-    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
-    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0, out=np.empty_like(x)), expected)
-    in_place = x.copy()
-    ar.rotate(in_place, 9, base=500.0, out=in_place)
-    np.testing.assert_array_equal(in_place, expected)
-    for got, want in zip(ar.rotate_qk(x, k, 9, base=500.0), expected_qk, strict=True):
-        np.testing.assert_array_equal(got, want)
-    outs = (np.empty_like(x), np.empty_like(k))
-    got = ar.rotate_qk(x, k, 9, base=500.0, out=outs)
-    assert got[0] is outs[0] and got[1] is outs[1]
-    for got, want in zip(outs, expected_qk, strict=True):
-        np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(rope.rotate(x, 9), expected)
-    with pytest.raises(AssertionError, match="general path"):  # real-valued: the general path's
-        ar.rotate(x, 9.5, base=500.0)
-
-
-def test_refused_fast_path_positions_still_raise_and_grow_the_cache(rng):
+def test_positions_past_the_cache_or_negative_in_an_array(rng):
     rope = ar.RoPE(8)
     x = rng.standard_normal((2, 3, 8)).astype(np.float32)
     with pytest.raises(ar.RopeValueError, match="non-negative"):
         rope.rotate(x, np.array([[-1], [2]]))
     far = np.array([[100_000], [7]])
     assert_matches(rope.rotate(x, far), oracle(x, far), x)
-    from arrayrope import _api
-
-    assert _api.rotate_small(rope, x, far, False, None) is not None  # the cache has grown
+    assert_matches(rope.rotate(x, far, inverse=True), oracle(x, far, inverse=True), x)

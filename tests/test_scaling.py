@@ -380,7 +380,7 @@ def test_from_hf_config(tmp_path, config, head_dim, rotary_dim, style, base, rul
 def test_from_hf_config_multimodal_sections():
     rope = ar.RoPE.from_hf_config(QWEN2_VL)
     assert rope.n_axes == 3 and rope.style == "half"
-    assert list(np.bincount(rope._pair_axis)) == [16, 24, 24]
+    assert list(np.bincount(rope._spec.pair_axis)) == [16, 24, 24]
     qwen3 = dict(
         QWEN2_VL,
         model_type="qwen3_vl",
@@ -390,7 +390,7 @@ def test_from_hf_config_multimodal_sections():
             "mrope_interleaved": True,
         },
     )
-    assert list(ar.RoPE.from_hf_config(qwen3)._pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
+    assert list(ar.RoPE.from_hf_config(qwen3)._spec.pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
 
 
 def test_from_hf_config_rope_parameters_form():

@@ -7,52 +7,49 @@ with outputs placed at every alignment inside poisoned buffers so that a stray o
 shows. The direct path's plain-store mode (VECTOR) is compared with the general loop likewise.
 """
 
-import contextlib
-
 import numpy as np
 import pytest
-from conftest import BF16, DTYPES, assert_matches, bits, oracle, poisoned
+from conftest import BF16, DTYPES, assert_matches, bits, oracle, poisoned, run_launcher
 from hypothesis import given
 from hypothesis import strategies as st
 
 import arrayrope as ar
 
-cpu = pytest.importorskip("arrayrope._cpu", reason="the CPU kernels need Numba")
+cpu = pytest.importorskip("arrayrope.backends.cpu", reason="the CPU kernels need Numba")
+from arrayrope.backends.cpu import _config  # noqa: E402
+
+PLAIN = {"stream_above": 1 << 62, "vector_rows": False}  # the general row loop's plain stores
 
 
-def _general(rope, xs, pos, outs, inverse=False):
-    from arrayrope import _api
+def _general(rope, xs, pos, outs, inverse=False, modes=None):
+    """Rotate through the general strategy's launcher; the store mode of each launch (0, or
+    cpu.SCRATCH, DIRECT, VECTOR) is appended to ``modes``."""
 
-    return _api.apply(rope, tuple(xs), pos, inverse, tuple(outs), "numba", None)
+    def launch(*args):
+        mode = cpu.launch(*args)
+        if modes is not None:
+            modes.append(mode)
+
+    return run_launcher(launch, rope, tuple(xs), pos, inverse=inverse, outs=tuple(outs))
 
 
-@contextlib.contextmanager
 def _streaming(threads):
-    """Streaming on for every output, on one thread or on all (the general path's kernels: the
-    fast path's does not stream)."""
-    if not cpu.STREAMING:
+    """Streaming stores for every output, on one thread or on all."""
+    if not _config.STREAMING:
         pytest.skip("streaming stores are used on x86-64 only")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "STREAM_ABOVE", 0)
-        patch.setattr(cpu, "SMALL_BELOW", 0)
-        if threads == "parallel":
-            patch.setattr(cpu, "SERIAL_BELOW", 0)
-        yield
+    return _config.override(stream_above=0, serial_below=0 if threads == "parallel" else 1 << 62)
 
 
-@contextlib.contextmanager
 def _vector(threads):
     """The direct path's plain stores (VECTOR) for every output it can write: streaming off,
     on one thread or on all."""
-    if not cpu.STREAMING:
+    if not _config.STREAMING:
         pytest.skip("the direct path is used on x86-64 only")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "STREAM_ABOVE", 1 << 62)
-        patch.setattr(cpu, "VECTOR_ROWS", True)
-        patch.setattr(cpu, "SMALL_BELOW", 0)
-        if threads == "parallel":
-            patch.setattr(cpu, "SERIAL_BELOW", 0)
-        yield
+    return _config.override(
+        stream_above=1 << 62,
+        vector_rows=True,
+        serial_below=0 if threads == "parallel" else 1 << 62,
+    )
 
 
 def _window(shape, dtype, shift, gap):
@@ -93,12 +90,11 @@ def test_streamed_output_matches_plain_stores(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
-def _direct_case(dtype, style, rotary_dim, layout, monkeypatch):
+def _direct_case(dtype, style, rotary_dim, layout):
     """The direct-path tests' case: x (3, 2, 37, 48); the (pos, inverse) calls to make, integer
     positions both ways and real ones (exact tables, computed per call); the RoPE; the output's
-    place in its buffer, (shift, gap) for ``layout``; whether the direct path should take it
-    (pair blocks, tail and rows on 16-byte boundaries); and the list that collects
-    ``direct_path``'s answers."""
+    place in its buffer, (shift, gap) for ``layout``; and whether the direct path should take
+    it (pair blocks, tail and rows on 16-byte boundaries)."""
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 2, 37, 48)) * 3).astype(dtype)
     integer = rng.integers(0, 100_000, size=37)
@@ -110,12 +106,9 @@ def _direct_case(dtype, style, rotary_dim, layout, monkeypatch):
     expect_direct = (
         layout != "shifted"
         and (block * item) % 16 == 0
-        and (dtype != np.float16 or cpu.HARDWARE_F16)
+        and (dtype != np.float16 or _config.HARDWARE_F16)
     )
-    chosen = []
-    direct_path = cpu.direct_path
-    monkeypatch.setattr(cpu, "direct_path", lambda *a: chosen.append(direct_path(*a)) or chosen[-1])
-    return x, calls, rope, place, expect_direct, chosen
+    return x, calls, rope, place, expect_direct
 
 
 @pytest.mark.parametrize("mode", ["streaming", "vector"])
@@ -125,22 +118,23 @@ def _direct_case(dtype, style, rotary_dim, layout, monkeypatch):
 @pytest.mark.parametrize("rotary_dim", [48, 40, 24])
 @pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
 def test_direct_path_writes_what_the_general_loop_writes(
-    mode, threads, dtype, style, rotary_dim, layout, monkeypatch
+    mode, threads, dtype, style, rotary_dim, layout
 ):
     # The direct path (rows rotated in registers, stored with 16-byte streaming stores for
     # large outputs, plain stores for others) takes outputs whose pair blocks, tail and rows
     # all start on 16-byte boundaries; the others take the scratch path (large) or the general
     # row loop. All must write the general loop's plain-store bits and nothing else.
-    x, calls, rope, place, expect_direct, chosen = _direct_case(
-        dtype, style, rotary_dim, layout, monkeypatch
-    )
+    x, calls, rope, place, expect_direct = _direct_case(dtype, style, rotary_dim, layout)
     x_before = x.copy()
     buffer, out = _window(x.shape, dtype, *place)
     assert buffer.__array_interface__["data"][0] % 16 == 0
+    modes = []
     for pos, inverse in calls:
         buffer[:] = np.nan
-        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode)
-    assert chosen == [expect_direct] * 3
+        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode, modes)
+    direct = cpu.DIRECT if mode == "streaming" else cpu.VECTOR
+    other = cpu.SCRATCH if mode == "streaming" else 0
+    assert modes == [direct if expect_direct else other] * 3
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
 
@@ -150,46 +144,42 @@ def test_direct_path_writes_what_the_general_loop_writes(
 @pytest.mark.parametrize("rotary_dim", [48, 40, 24])
 @pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
 def test_direct_path_in_place_writes_what_the_general_loop_writes(
-    threads, dtype, style, rotary_dim, layout, monkeypatch
+    threads, dtype, style, rotary_dim, layout
 ):
     # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
     # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
     # every element outside the array left as they were.
-    x, calls, rope, place, expect_direct, chosen = _direct_case(
-        dtype, style, rotary_dim, layout, monkeypatch
-    )
+    x, calls, rope, place, expect_direct = _direct_case(dtype, style, rotary_dim, layout)
+    modes = []
     for pos, inverse in calls:
         buffer, y = _window(x.shape, dtype, *place)
         y[...] = x
         words = buffer.view(f"u{x.itemsize}")
         outside = words.copy()
         with _vector(threads):
-            _general(rope, (y,), pos, (y,), inverse)
-        with pytest.MonkeyPatch.context() as plain:
-            plain.setattr(cpu, "VECTOR_ROWS", False)
+            _general(rope, (y,), pos, (y,), inverse, modes)
+        with _config.override(**PLAIN):
             expected = x.copy()
             _general(rope, (expected,), pos, (expected,), inverse)
         np.testing.assert_array_equal(bits(y), bits(expected))
         mask = np.ones(buffer.size, bool)
         mask[np.unique(_offsets(buffer, y))] = False
         np.testing.assert_array_equal(words[mask], outside[mask])
-    assert chosen == [expect_direct] * 3
+    assert modes == [cpu.VECTOR if expect_direct else 0] * 3
 
 
 @pytest.mark.parametrize("heads", [(3, 2), (1, 5), (4, 4)])
 @pytest.mark.parametrize("style", ["interleaved", "half"])
-def test_parallel_tasks_cut_q_and_k_rows_together(heads, style, monkeypatch):
+def test_parallel_tasks_cut_q_and_k_rows_together(heads, style, cpu_config, rng):
     # The parallel kernel cuts q's and k's rows together into equal tasks, so a task may end q
     # and begin k: each row of both must come out as the one-thread kernel writes it.
-    monkeypatch.setattr(cpu, "SMALL_BELOW", 0)
-    rng = np.random.default_rng()
     q = rng.standard_normal((2, heads[0], 37, 16)).astype(np.float32)
     k = rng.standard_normal((2, heads[1], 37, 16)).astype(np.float32)
     pos = rng.integers(0, 5000, 37)
     rope = ar.RoPE(16, style=style)
     results = []
     for serial_below in (1 << 62, 0):  # one thread, then the parallel kernel
-        monkeypatch.setattr(cpu, "SERIAL_BELOW", serial_below)
+        cpu_config(serial_below=serial_below, small_below=0)
         out = (poisoned(q.shape, q.dtype), poisoned(k.shape, k.dtype))
         rope.rotate_qk(q, k, pos, out=out)
         results.append(out)
@@ -204,26 +194,25 @@ def test_direct_path_needs_unit_stride_tables_laid_out_alike():
     x = np.zeros((4, 64), np.float32)
     operands = [(x, np.zeros_like(x), np.zeros((4, 1), np.int64))]
     tables = np.zeros((8, 32), np.float32)
-    assert cpu.direct_path(rope, operands, rope._segments, tables, tables)
+    spec = rope._spec
+    assert cpu.direct_path(spec, operands, spec.segments, tables, tables)
     strided = np.zeros((32, 8), np.float32).T
-    assert not cpu.direct_path(rope, operands, rope._segments, strided, tables)
-    assert not cpu.direct_path(rope, operands, rope._segments, tables, strided)
+    assert not cpu.direct_path(spec, operands, spec.segments, strided, tables)
+    assert not cpu.direct_path(spec, operands, spec.segments, tables, strided)
     wider = np.zeros((8, 40), np.float32)[:, :32]  # rows 40 apart, against 32 in tables
-    assert cpu.direct_path(rope, operands, rope._segments, wider, wider)
-    assert not cpu.direct_path(rope, operands, rope._segments, tables, wider)
+    assert cpu.direct_path(spec, operands, spec.segments, wider, wider)
+    assert not cpu.direct_path(spec, operands, spec.segments, tables, wider)
 
 
 @pytest.mark.parametrize("stream_above", [0, 1 << 62], ids=["streaming", "vector"])
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_direct_path_reads_table_rows_at_their_stride(style, dtype, stream_above, monkeypatch):
+def test_direct_path_reads_table_rows_at_their_stride(style, dtype, stream_above, cpu_config, rng):
     # The direct path addresses table row p at p * (row stride): tables whose rows are 48
     # elements apart must give the bits of packed ones.
-    if not cpu.STREAMING or (dtype == np.float16 and not cpu.HARDWARE_F16):
+    if not _config.STREAMING or (dtype == np.float16 and not _config.HARDWARE_F16):
         pytest.skip("the direct path needs x86-64 (and F16C for float16)")
-    monkeypatch.setattr(cpu, "STREAM_ABOVE", stream_above)
-    monkeypatch.setattr(cpu, "VECTOR_ROWS", True)
-    rng = np.random.default_rng()
+    cpu_config(stream_above=stream_above, vector_rows=True)
     rope = ar.RoPE(64, style=style)
     x = rng.standard_normal((4, 8, 64)).astype(dtype)
     idx = rng.integers(0, 8, size=(4, 8, 1))
@@ -234,22 +223,22 @@ def test_direct_path_reads_table_rows_at_their_stride(style, dtype, stream_above
         table[...] = values
     results = []
     for cos, sin in (packed, spread):
-        assert cpu.direct_path(rope, [(x, x, idx)], rope._segments, cos, sin)
+        assert cpu.direct_path(rope._spec, [(x, x, idx)], rope._spec.segments, cos, sin)
         out = poisoned(x.shape, x.dtype)
-        cpu.launch(rope, [(x, out, idx)], cos, sin, False)
+        cpu.launch(rope._spec, [(x, out, idx)], cos, sin, False)
         results.append(bits(out))
     np.testing.assert_array_equal(results[1], results[0])
 
 
-def _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode="streaming"):
+def _assert_streams_plain_bits(
+    threads, rope, x, pos, inverse, buffer, out, mode="streaming", modes=None
+):
     """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on (or, for
     ``mode`` "vector", the direct path's plain stores): the bits of the general row loop's plain
     stores, and no write outside ``out``."""
     with _streaming(threads) if mode == "streaming" else _vector(threads):
-        _general(rope, (x,), pos, (out,), inverse)
-    with pytest.MonkeyPatch.context() as plain:
-        plain.setattr(cpu, "STREAM_ABOVE", 1 << 62)
-        plain.setattr(cpu, "VECTOR_ROWS", False)
+        _general(rope, (x,), pos, (out,), inverse, modes)
+    with _config.override(**PLAIN):
         (expected,) = _general(rope, (x,), pos, (poisoned(x.shape, x.dtype),), inverse)
     np.testing.assert_array_equal(bits(out), bits(expected))
     mask = np.ones(buffer.size, bool)
@@ -274,47 +263,41 @@ def test_streamed_rotate_qk_with_one_operand_in_place(threads, rng):
     k = rng.standard_normal((2, 2, 64, 64)).astype(np.float32)
     expected = ar.rotate(q, backend="numpy"), ar.rotate(k, backend="numpy")
     q_out, k_in_place = poisoned(q.shape, q.dtype), k.copy()
-    with _streaming(threads):
+    with _streaming(threads), _config.override(small_below=0):
         got = ar.rotate_qk(q, k_in_place, out=(q_out, k_in_place))
     assert got[0] is q_out and got[1] is k_in_place
     for result, ref, source in zip(got, expected, (q, k)):
         assert_matches(result, ref.astype(np.float64), source)
 
 
-def test_large_outputs_stream_and_smaller_ones_take_plain_stores(monkeypatch):
-    calls = []
-    for name in ("rotate_serial", "rotate_parallel"):
-        kernel = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, k=kernel: calls.append(a[-1]) or k(*a))
-    monkeypatch.setattr(cpu, "STREAM_ABOVE", 1 << 20)
-    monkeypatch.setattr(cpu, "SMALL_BELOW", cpu.SERIAL_BELOW)  # from there on: the general path
+def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
+    cpu_config(stream_above=1 << 20)
     rope = ar.RoPE(128)
     big = np.ones((1, 8, 256, 128), np.float32)  # 1 MiB
     q, k = np.ones((1, 4, 256, 128), np.float32), np.ones((1, 4, 256, 128), np.float32)
-    rope.rotate(big, out=np.empty_like(big))
-    rope.rotate(big)
-    rope.rotate_qk(q, k)  # 1 MiB written in all
-    rope.rotate(big, out=big)  # in place: the vector loop, plain stores whatever the size
-    rope.rotate_qk(q, k, out=(q, np.empty_like(k)))  # 0.5 MiB written
-    rope.rotate(big[:, :4], out=np.empty_like(big[:, :4]))  # 0.5 MiB
     shifted = np.empty((1, 4, 256, 129), np.float32)[..., 1:]  # rows off 16-byte boundaries
-    rope.rotate(big[:, :4], out=shifted)  # 0.5 MiB: the general loop
-    if cpu.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
-        assert calls == [cpu.DIRECT] * 3 + [cpu.VECTOR] * 3 + [0]
+    modes = []
+    _general(rope, (big,), None, (np.empty_like(big),), modes=modes)
+    _general(rope, (q, k), None, (np.empty_like(q), np.empty_like(k)), modes=modes)  # 1 MiB
+    _general(rope, (big,), None, (big,), modes=modes)  # in place: plain stores, whatever the size
+    _general(rope, (q, k), None, (q, np.empty_like(k)), modes=modes)  # 0.5 MiB written
+    _general(rope, (big[:, :4],), None, (np.empty_like(big[:, :4]),), modes=modes)  # 0.5 MiB
+    _general(rope, (big[:, :4],), None, (shifted,), modes=modes)  # 0.5 MiB: the general loop
+    if _config.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
+        assert modes == [cpu.DIRECT] * 2 + [cpu.VECTOR] * 3 + [0]
     else:
-        assert calls == [0] * 7
+        assert modes == [0] * 6
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("large", [False, True])
-def test_bfloat16_nan_and_inf_inputs_give_nan_and_inf(style, large, monkeypatch):
-    # The bfloat16 store rounds with no nan test (see _cpu._f32_to_bf16_result): every nan and
-    # infinity a bfloat16 array can hold must still come out where the float64 formula has one.
+def test_bfloat16_nan_and_inf_inputs_give_nan_and_inf(style, large, cpu_config):
+    # The bfloat16 store rounds with no nan test (see _convert.f32_to_bf16_result): every nan
+    # and infinity a bfloat16 array can hold must still come out where the float64 formula has
+    # one.
     if large:  # the parallel kernel with streaming stores
-        monkeypatch.setattr(cpu, "STREAM_ABOVE", 0)
-        monkeypatch.setattr(cpu, "SERIAL_BELOW", 0)
-        monkeypatch.setattr(cpu, "SMALL_BELOW", 0)
+        cpu_config(stream_above=0, serial_below=0, small_below=0)
     codes = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
     special = codes[~np.isfinite(codes.view(BF16).astype(np.float32))]  # 254 nans, 2 infs
     rng = np.random.default_rng(0)
@@ -335,10 +318,12 @@ def test_bfloat16_nan_and_inf_inputs_give_nan_and_inf(style, large, monkeypatch)
 def test_bfloat16_result_rounding_matches_ml_dtypes():
     from numba import njit
 
+    from arrayrope.backends.cpu._convert import f32_to_bf16_result
+
     @njit
     def narrow(values, out):
         for i in range(values.size):
-            out[i] = cpu._f32_to_bf16_result(values[i])
+            out[i] = f32_to_bf16_result(values[i])
 
     rng = np.random.default_rng(1)
     values = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrayrope._layout import flat_view, geometry
+from arrayrope.backends._geometry import flat_view, geometry
 
 
 def _row_offsets_by_axes(x, out, idx, flat=True):

@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from .._cache import Bounded
+
 
 def _as_strided(a):
     if isinstance(a, np.ndarray):
@@ -22,7 +24,7 @@ def _as_strided(a):
 def flat_view(a):
     """A 1-D view over the memory ``a`` spans, and the element offset of ``a[0, ..., 0]`` in it.
 
-    ``a`` must not be empty, and its strides must be whole numbers of elements (the API routes
+    ``a`` must not be empty, and addressable (see ``_arrays.addressable``: the plan routes
     other layouts through a temporary before any kernel sees them).
     """
     if a.flags.c_contiguous:
@@ -60,7 +62,7 @@ def _merged_axes(shape, strides):
     return merged or [(1, (0, 0, 0))]
 
 
-_geometry_cache = {}
+_geometry_cache = Bounded(256)
 
 
 def geometry(operands, flat):
@@ -102,10 +104,7 @@ def geometry(operands, flat):
             g[t, 1, nlead] = flat_view(x)[1]
             g[t, 2, nlead] = flat_view(out)[1]
             g[t, 3, nlead] = flat_view(idx)[1]
-    if len(_geometry_cache) > 256:
-        _geometry_cache.clear()
-    _geometry_cache[key] = g
-    return g
+    return _geometry_cache.put(key, g)
 
 
 def rows(g, t):

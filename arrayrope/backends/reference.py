@@ -38,3 +38,24 @@ def rotate_reference(xp, x, cos, sin, *, style, rotary_dim, inverse, out):
         out[..., rotary_dim:] = x[..., rotary_dim:]
     out[..., :rotary_dim] = rotated.astype(out.dtype)
     return out
+
+
+def launch(spec, operands, cos, sin, inverse):
+    """The reference as a backend (``backend="numpy"``): the same contract as the kernels'
+    launchers, each operand rotated with array operations in its own namespace."""
+    from .. import _arrays
+    from .._tables import gather
+
+    for x, out, idx in operands:
+        xp = _arrays.namespace_of(x)
+        cos_rows, sin_rows = gather(xp, spec.pair_axis, cos, sin, idx)
+        rotate_reference(
+            xp,
+            x,
+            cos_rows,
+            sin_rows,
+            style=spec.style,
+            rotary_dim=spec.rotary_dim,
+            inverse=inverse,
+            out=out,
+        )

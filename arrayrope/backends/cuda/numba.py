@@ -4,17 +4,17 @@ The same maths as the CuPy kernels, written independently in Python, for users w
 kernels and as a second GPU implementation for the tests to compare. Under Numba's CUDA simulator
 (NUMBA_ENABLE_CUDASIM=1) the same kernels run on the CPU, which is how CI tests them.
 
-Operands are flat 1-D views with element offsets (``arrayrope._layout``). Launch geometry:
+Operands are flat 1-D views with element offsets (``backends._geometry``). Launch geometry:
 ``block=(32, WARPS_PER_BLOCK)``, warp lanes across the pairs of a row, ROWS_PER_WARP rows per
-warp, element by element. The CuPy kernels (``arrayrope._cuda_cupy``) add vector accesses and
+warp, element by element. The CuPy kernels (``backends.cuda.cupy``) add vector accesses and
 load all of a warp's rows before storing any.
 """
 
 import numpy as np
 
+from ..._errors import BackendUnavailableError
+from .._geometry import flat_view, geometry, rows
 from ._device import on_device
-from ._errors import BackendUnavailableError
-from ._layout import flat_view, geometry, rows
 
 try:
     # A module global, not a closure variable: the simulator swaps the kernels' global ``cuda``
@@ -173,8 +173,8 @@ def _kernel(bf16_bits, half_style, compute):
     return rope_kernel
 
 
-def launch(rope, operands, cos, sin, inverse):
-    """Rotate one or two operands in one launch; same contract as :func:`arrayrope._cpu.launch`.
+def launch(spec, operands, cos, sin, inverse):
+    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``.
 
     Operands are CuPy arrays on a GPU, or NumPy arrays under the CUDA simulator.
     """
@@ -221,16 +221,16 @@ def launch(rope, operands, cos, sin, inverse):
     n2 = rows(g, 1) if len(operands) == 2 else 0
     d = x0.shape[-1]
     compute = np.float64 if x0.dtype == np.float64 else np.float32
-    kernel = _kernel(bf16_bits, rope.style == "half", compute)
-    copy_tail = rope.rotary_dim < d and any(o is not x for x, o, _ in operands)
+    kernel = _kernel(bf16_bits, spec.style == "half", compute)
+    copy_tail = spec.rotary_dim < d and any(o is not x for x, o, _ in operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     kernel[(blocks,), (LANES, WARPS_PER_BLOCK)](
         *args,
         kept(("g", g.shape, g.tobytes()), g),
         to_device(cos),
         to_device(sin),
-        kept(("axes", "int64", rope._pair_axis.tobytes()), rope._pair_axis),
-        np.int64(rope.rotary_dim),
+        kept(("axes", "int64", spec.pair_axis.tobytes()), spec.pair_axis),
+        np.int64(spec.rotary_dim),
         np.int64(d),
         compute(-1.0 if inverse else 1.0),
         copy_tail,

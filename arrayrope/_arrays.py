@@ -1,0 +1,149 @@
+"""The one place that knows array types: which family an array belongs to (NumPy, CuPy or
+foreign), its namespace, the dtypes arrayrope computes in, the memory an array spans, overlap,
+and whether a kernel can address an array as it is.
+
+Asking never imports CuPy: an array is CuPy's only if CuPy is already loaded.
+"""
+
+import sys
+
+import numpy as np
+
+from ._cache import Bounded
+from ._errors import RopeTypeError, RopeValueError
+
+NUMPY, CUPY, FOREIGN = "numpy", "cupy", ""
+ACCEPTED = "an array: NumPy, CuPy, Dask, or any DLPack producer (torch, JAX)"
+
+# Arithmetic dtype per storage dtype: float32 for the half types (they round once, at the store)
+# and float32, float64 for float64. Keyed by dtype object (hashing a dtype is cheap, its name is
+# not); bfloat16 joins on first sight, so that asking never imports ml_dtypes.
+_COMPUTE = {
+    np.dtype(np.float16): np.dtype(np.float32),
+    np.dtype(np.float32): np.dtype(np.float32),
+    np.dtype(np.float64): np.dtype(np.float64),
+}
+_family_of_type = Bounded(256)
+
+
+def family(a):
+    """NUMPY, CUPY or FOREIGN for an object, cached per type."""
+    kind = type(a)
+    found = _family_of_type.get(kind)
+    if found is None:
+        cupy = sys.modules.get("cupy")
+        if kind is np.ndarray or kind is np.memmap:
+            found = NUMPY
+        elif cupy is not None and issubclass(kind, cupy.ndarray):
+            found = CUPY
+        else:
+            found = FOREIGN
+        _family_of_type.put(kind, found)
+    return found
+
+
+def namespace(array_family):
+    """The array module of a family: numpy or cupy."""
+    return sys.modules["cupy"] if array_family == CUPY else np
+
+
+def namespace_of(a):
+    return namespace(family(a))
+
+
+def describe(a):
+    """The type of ``a`` as a message names it."""
+    return f"{type(a).__module__}.{type(a).__name__}"
+
+
+def compute_dtype(dtype):
+    """The arithmetic (and cos/sin table) dtype for a storage dtype, or None if unsupported."""
+    found = _COMPUTE.get(dtype)
+    if found is None and dtype.name == "bfloat16" and dtype.itemsize == 2:
+        found = _COMPUTE[dtype] = np.dtype(np.float32)
+    return found
+
+
+def check_float(name, a, head_dim):
+    """Raise unless ``a`` (NumPy or CuPy) has a feature axis of ``head_dim`` and a dtype the
+    kernels take."""
+    if a.ndim == 0:
+        raise RopeValueError(f"{name} must have a feature axis (shape (..., d)), got a 0-d array")
+    if compute_dtype(a.dtype) is None:
+        if not a.dtype.isnative and compute_dtype(a.dtype.newbyteorder("=")) is not None:
+            raise RopeTypeError(
+                f"{name} must be in native byte order, got dtype {a.dtype.str} "
+                f"({name}.astype({name}.dtype.newbyteorder('=')) converts it)"
+            )
+        raise RopeTypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got dtype {a.dtype}"
+        )
+    if a.shape[-1] != head_dim:
+        raise RopeValueError(
+            f"{name}.shape[-1] must equal head_dim ({head_dim}), got {a.shape[-1]}"
+        )
+
+
+def pointer(a, array_family):
+    """The address of ``a``'s element 0."""
+    if array_family == CUPY:
+        return a.data.ptr
+    return a.__array_interface__["data"][0]
+
+
+def addressable(a, array_family):
+    """Whether every kernel can address ``a`` as it is: the feature axis contiguous, every
+    stride of an axis longer than 1 a whole number of elements, and the data pointer aligned to
+    the element size. Kernels index rows by element offsets and load elements with typed loads,
+    which a GPU refuses at a misaligned address; other arrays go through a temporary."""
+    if a.size == 0:
+        return True
+    item = a.itemsize
+    if a.shape[-1] > 1 and a.strides[-1] != item:
+        return False
+    if array_family == NUMPY:
+        return a.flags.aligned  # NumPy's test: the pointer and every stride that matters
+    if pointer(a, array_family) % item:
+        return False
+    return all(s % item == 0 for n, s in zip(a.shape, a.strides) if n > 1)
+
+
+def self_overlapping(a):
+    """Whether two elements of ``a`` may share memory (a zero stride on an axis longer than 1,
+    or strides that interleave): parallel writes to it would race. Conservative: axes sorted by
+    stride, each must step past everything the smaller ones span."""
+    if a.size <= 1:
+        return False
+    axes = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
+    reach = a.itemsize
+    for stride, n in axes:
+        if stride < reach:
+            return True
+        reach += (n - 1) * stride
+    return False
+
+
+def extent(a, array_family):
+    """[first byte, one past the last byte) of the memory ``a`` spans."""
+    low = high = pointer(a, array_family)
+    for n, s in zip(a.shape, a.strides):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + a.itemsize
+
+
+def overlap_kind(a, b, array_family):
+    """How the memory of two non-empty arrays meets: "none", "same" (one layout at one
+    address: b is another view of a, so writing a into b is in place) or "partial"."""
+    if array_family == NUMPY and not np.may_share_memory(a, b):
+        return "none"
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a, array_family), extent(b, array_family)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return "none"
+    if a.strides == b.strides and a.shape == b.shape and a_lo == b_lo:
+        return "same"
+    if not namespace(array_family).shares_memory(a, b):
+        return "none"
+    return "partial"

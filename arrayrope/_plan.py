@@ -1,0 +1,275 @@
+"""Plans: what a call's layout decides, checked and worked out once.
+
+A plan is built for one layout of a call (array family, dtypes, shapes, strides, flags, kind of
+out, kind of positions, backend) by :func:`build`, which makes every check that depends on the
+layout alone and raises the errors of bad input. Running it does only what depends on values and
+addresses: the positions' range, the overlap of outputs with inputs, the tables.
+
+Two launch strategies:
+- ``_plan_rows.RowsPlan``: the CPU's one-thread row kernel takes the arrays as they are (decode
+  and prefill sizes, one position axis, positions in a row pattern). The kernel checks positions
+  and overlap before writing, and hands anything else back to the plan's general twin;
+- :class:`GeneralPlan`: every other call, on every backend: positions resolved into table rows,
+  operands shaped for the kernels' flat views (through temporaries where a kernel cannot
+  address an array), one launch for q and k.
+"""
+
+import numpy as np
+
+from . import _arrays, _positions
+from ._arrays import CUPY, NUMPY
+from ._errors import RopeTypeError, RopeValueError
+from ._positions import ARRAY, INT, NONE
+from .backends import module as backend_module
+
+BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
+
+
+def check_inverse(inverse):
+    if isinstance(inverse, (bool, np.bool_)):
+        return bool(inverse)
+    raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
+
+
+def _pick_backend(backend, array_family):
+    if backend == "auto":
+        return "numba" if array_family == NUMPY else "cupy"
+    if backend not in BACKENDS:
+        raise RopeValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
+    if backend == "numba" and array_family != NUMPY:
+        raise RopeValueError(
+            "backend='numba' takes NumPy arrays; for CuPy arrays use 'cupy' or 'numba-cuda'"
+        )
+    if backend in ("cupy", "numba-cuda") and array_family != CUPY:
+        raise RopeValueError(
+            f"backend={backend!r} takes CuPy arrays, got NumPy arrays; use 'numba' or 'numpy'"
+        )
+    return backend
+
+
+def _check_outs(xs, outs, array_family, names):
+    """The layout-only checks of ``out``: one array per operand, of the operand's family,
+    shape, dtype and device, writable, not another operand, and no two of its elements in one
+    place (parallel writes there would race)."""
+    if len(outs) != len(xs):
+        raise RopeTypeError(f"out must hold {len(xs)} arrays, got {len(outs)}")
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        name = "out" if len(xs) == 1 else f"out[{i}]"
+        if _arrays.family(out) != array_family:
+            raise RopeTypeError(
+                f"{name} must be a {'CuPy' if array_family == CUPY else 'NumPy'} array like "
+                f"{names[i]}, got {_arrays.describe(out)}"
+            )
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise RopeValueError(
+                f"{name} must have {names[i]}'s shape {x.shape} and dtype {x.dtype}, "
+                f"got shape {out.shape} and dtype {out.dtype}"
+            )
+        if array_family == NUMPY and not out.flags.writeable:
+            raise RopeValueError(f"{name} is read-only")
+        if array_family == CUPY and out.device != x.device:
+            raise RopeValueError(
+                f"{name} is on device {out.device.id}, {names[i]} on device {x.device.id}"
+            )
+        for j, other in enumerate(xs):
+            if out is other and i != j and out.size:
+                raise RopeValueError(f"{name} is {names[j]}: it would be overwritten first")
+        if _arrays.self_overlapping(out):
+            raise RopeValueError(
+                f"{name} has elements that share memory (strides {out.strides} for shape "
+                f"{out.shape}): pass an array whose elements are distinct"
+            )
+
+
+def build(engine, xs, outs, kind, pos, backend):
+    """The plan for a call on arrays of a known family (NumPy or CuPy); raises for bad input."""
+    spec = engine.spec
+    names = ("x",) if len(xs) == 1 else ("q", "k")
+    array_family = _arrays.family(xs[0])
+    for name, x in zip(names, xs):
+        if _arrays.family(x) != array_family:
+            raise RopeTypeError(
+                "q and k must be arrays of one kind, got "
+                f"{_arrays.describe(xs[0])} and {_arrays.describe(x)}"
+            )
+        _arrays.check_float(name, x, spec.head_dim)
+    if len(xs) == 2:
+        if xs[0].dtype != xs[1].dtype:
+            raise RopeTypeError(f"q and k must share a dtype, got {xs[0].dtype} and {xs[1].dtype}")
+        if array_family == CUPY and xs[0].device != xs[1].device:
+            raise RopeValueError(f"q is on device {xs[0].device.id}, k on device {xs[1].device.id}")
+    if outs is not None:
+        _check_outs(xs, outs, array_family, names)
+    backend = _pick_backend(backend, array_family)
+    leads = [x.shape[:-1] for x in xs]
+    if kind == ARRAY:
+        if array_family == NUMPY and _arrays.family(pos) == CUPY:
+            raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
+        _positions.with_axes(pos, spec.n_axes, leads)
+    general = GeneralPlan(engine, xs, outs, kind, backend, array_family)
+    if backend == "numba":
+        from ._plan_rows import rows_plan
+
+        rows = rows_plan(engine, xs, outs, kind, pos, general)
+        if rows is not None:
+            return rows
+    return general
+
+
+class GeneralPlan:
+    """Every call the row kernel does not take, on every backend."""
+
+    def __init__(self, engine, xs, outs, kind, backend, array_family):
+        self.engine = engine
+        self.spec = engine.spec
+        self.kind = kind
+        self.family = array_family
+        self.xp = _arrays.namespace(array_family)
+        self.launch = backend_module(backend).launch
+        self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
+        # the reference works on any layout; the kernels address some through temporaries
+        self.any_layout = backend == "numpy"
+        self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
+        self.nlead = max(1, max(x.ndim - 1 for x in xs))
+
+    def rotate(self, x, pos, inverse, out, seq_len):
+        return self.run((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
+
+    def run(self, xs, pos, inverse, outs, seq_len):
+        """Rotate ``xs`` (checked by :func:`build` for this plan); returns the results."""
+        inverse = check_inverse(inverse)
+        if self.family == CUPY:
+            with xs[0].device:  # tables, copies and launches on x's device
+                return self._run(xs, pos, inverse, outs, seq_len)
+        return self._run(xs, pos, inverse, outs, seq_len)
+
+    def _positions(self, xs, pos):
+        """(values, is_int, highest) per operand: values int64 or float64 of shape P + (1 or
+        n_axes,), on the host or (CuPy positions) the device."""
+        if self.kind == NONE:
+            found = []
+            for x in xs:
+                length = x.shape[-2] if x.ndim > 1 else 1
+                found.append((_positions.defaults(length), True, length - 1))
+            return found
+        if self.kind == INT:
+            values = np.full((1, 1), _positions.check_int(pos), dtype=np.int64)
+            return [(values, True, pos)] * len(xs)
+        values = _positions.with_axes(pos, self.spec.n_axes, [x.shape[:-1] for x in xs])
+        if values.size == 0:
+            dtype = np.int64 if values.dtype.kind in "iu" else np.float64
+            return [(values.astype(dtype), dtype == np.int64, -1)] * len(xs)
+        return [_positions.check_values(values)] * len(xs)
+
+    def _tables(self, resolved, seq_len):
+        """cos, sin and one idx per operand: int64 table rows shaped like its positions."""
+        high = max(h for _, _, h in resolved)
+        seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
+        tables = self.engine.freq_set(seq_len).tables
+        xp, device = self.xp, self._device()
+        if all(is_int for _, is_int, _ in resolved):
+            cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
+            if cached is not None:
+                return cached[0], cached[1], [values for values, _, _ in resolved]
+        # Real-valued positions, or integers past the cache: one exact row per position entry.
+        rows, idxs, count = [], [], 0
+        for values, _, _ in resolved:
+            if any(values is seen for seen in rows):
+                idxs.append(idxs[[id(v) for v in rows].index(id(values))])
+                continue
+            rows.append(values)
+            value_xp = _arrays.namespace_of(values)
+            n = values.size // values.shape[-1]
+            idx = value_xp.arange(count, count + n, dtype=np.int64)
+            idxs.append(idx.reshape(values.shape[:-1] + (1,)))
+            count += n
+        flat = [v.reshape(-1, v.shape[-1]).astype(np.float64, copy=False) for v in rows]
+        value_xp = _arrays.namespace_of(flat[0])
+        flat = flat[0] if len(flat) == 1 else value_xp.concatenate(flat)
+        cos, sin = tables.exact(value_xp, self.table_dtype, flat)
+        if value_xp is not xp:
+            cos, sin = xp.asarray(cos), xp.asarray(sin)
+        return cos, sin, idxs
+
+    def _device(self):
+        return None if self.family == NUMPY else self.xp.cuda.Device().id
+
+    def _run(self, xs, pos, inverse, outs, seq_len):
+        cos, sin, idxs = self._tables(self._positions(xs, pos), seq_len)
+        xp = self.xp
+        if self.family == CUPY:
+            from .backends.cuda._device import device_rows
+
+            moved = [device_rows(xp, self._device(), idx, cos, sin) for idx in idxs]
+            idxs = [m[0] for m in moved]
+            cos, sin = moved[0][1], moved[0][2]
+        if outs is None:
+            results = tuple(xp.empty_like(x) for x in xs)
+            in_place = (False,) * len(xs)
+        else:
+            results = outs
+            in_place = self._overlaps(xs, outs)
+        operands, write_back = [], []
+        for x, out, idx, same in zip(xs, results, idxs, in_place):
+            if x.size == 0:
+                continue
+            operands.append(self._operand(x, out, idx, same, write_back))
+        if operands:
+            self.launch(self.spec, operands, cos, sin, inverse)
+        for temp, out in write_back:
+            out[...] = temp
+        return results
+
+    def _overlaps(self, xs, outs):
+        """Per operand, whether its out is it (in place, through any view); raises where an out
+        overlaps an input or the other out partially. Depends on addresses: checked per call."""
+        names = ("x",) if len(xs) == 1 else ("q", "k")
+        same = []
+        for i, out in enumerate(outs):
+            name = "out" if len(xs) == 1 else f"out[{i}]"
+            in_place = self.in_place[i]
+            for j, other in enumerate(xs):
+                if in_place and i == j or not out.size or not other.size:
+                    continue
+                found = _arrays.overlap_kind(out, other, self.family)
+                if found == "same" and i == j:
+                    in_place = True
+                elif found != "none":
+                    raise RopeValueError(
+                        f"{name} overlaps {names[j]} partially; pass distinct memory, or "
+                        f"{names[i]} itself to rotate in place"
+                    )
+            same.append(in_place)
+        if len(outs) == 2 and outs[0].size and outs[1].size:
+            if _arrays.overlap_kind(outs[0], outs[1], self.family) != "none":
+                raise RopeValueError("out[0] and out[1] overlap")
+        return tuple(same)
+
+    def _operand(self, x, out, idx, in_place, write_back):
+        """(x, out, idx) shaped for the kernels: every operand with the same number of leading
+        axes, and through a temporary where a kernel cannot address an array (an in-place
+        operand is passed with ``out is x``)."""
+        xp, fam = self.xp, self.family
+        if in_place:
+            if not (self.any_layout or _arrays.addressable(x, fam)):
+                temp = xp.ascontiguousarray(x)
+                write_back.append((temp, out))
+                x = temp
+            out = x
+        else:
+            if not (self.any_layout or _arrays.addressable(x, fam)):
+                x = xp.ascontiguousarray(x)
+            if not (self.any_layout or _arrays.addressable(out, fam)):
+                temp = xp.empty(x.shape, x.dtype)
+                write_back.append((temp, out))
+                out = temp
+        if x.ndim < self.nlead + 1:
+            pad = (None,) * (self.nlead + 1 - x.ndim)
+            padded = x[pad]
+            out = padded if out is x else out[pad]
+            x = padded
+        if idx.ndim < self.nlead + 1:
+            idx = idx[(None,) * (self.nlead + 1 - idx.ndim)]
+        return x, out, idx

@@ -1,0 +1,192 @@
+"""The rows strategy: the CPU's one-thread row kernel on decode- and prefill-sized calls.
+
+The kernel takes the arrays as they are (no flat views, no operand geometry), which a decode
+step needs: its whole rotation takes less time than Python spends on a few attribute reads.
+So the plan works out everything but the arrays themselves once, and runs as a closure over
+constants. Because the plan's key fixes the Numba type of every argument (dtype, shape, strides
+and flags of each array), it calls the kernel's compiled entry point for those types directly,
+skipping the dispatcher's type resolution.
+
+What depends on values and addresses the kernel checks before writing (every position is a row
+of the cached table, x's memory does not meet out's) and reports back; the plan then grows the
+table or hands the call to its general twin, which makes the one check of each and raises the
+errors.
+"""
+
+import numpy as np
+
+from . import _arrays, _positions
+from ._arrays import NUMPY
+from ._plan import check_inverse
+from ._positions import ARRAY, INT, NONE
+from .backends import module as backend_module
+
+_INT64 = np.dtype(np.int64)
+_F16 = np.dtype(np.float16)
+FRESH, IN_PLACE, INTO_OUT = 0, 1, 2
+
+
+def rows_plan(engine, xs, outs, kind, pos, general):
+    """The rows plan of a checked call, or None where the call is not the row kernel's."""
+    spec = engine.spec
+    if spec.n_axes != 1 or spec.dynamic:
+        return None
+    if kind == ARRAY and (pos.dtype.kind not in "iu" or _arrays.family(pos) != NUMPY):
+        return None
+    cpu = backend_module("numba")
+    if sum(x.size for x in xs) >= cpu.small_below():
+        return None
+    arrays = list(xs) + [o for o in outs or () if all(o is not x for x in xs)]
+    if not all(_arrays.addressable(a, NUMPY) for a in arrays):
+        return None
+    patterns = []
+    for x in xs:
+        found = (False, 1)
+        if kind == ARRAY:
+            found = _positions.row_pattern(pos.shape, x.shape[:-1])
+            if found is None:
+                return None
+        patterns.append(found)
+    return RowsPlan(engine, xs, outs, kind, pos, patterns, general, cpu)
+
+
+class RowsPlan:
+    __slots__ = ("general", "kind", "tables", "rows", "table_source", "table_dtype", "cpu")
+    __slots__ += ("rotate", "run")
+
+    def __init__(self, engine, xs, outs, kind, pos, patterns, general, cpu):
+        self.general = general
+        self.kind = kind
+        self.cpu = cpu
+        self.table_source = engine.freq_set(None).tables
+        self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
+        self._set_tables(self.table_source.cached(np, None, self.table_dtype, 0))
+        spec = engine.spec
+        launches = []
+        for t, (x, (flatten, repeat)) in enumerate(zip(xs, patterns)):
+            out = None if outs is None else outs[t]
+            mode = FRESH if out is None else IN_PLACE if out is x else INTO_OUT
+            settings = cpu.settings(spec.rotary_dim, spec.half_style, False, repeat)
+            default = _positions.defaults(x.shape[-2]).reshape(-1) if x.ndim > 1 else 0
+            launches.append(self._launch(x, out, kind, pos, mode, flatten, default, settings))
+        self.rotate = launches[0] if len(xs) == 1 else None
+        self.run = self._operands(launches) if len(xs) == 2 else self._one(launches[0])
+
+    def _set_tables(self, tables):
+        self.tables, self.rows = tables, tables.shape[1]
+
+    def _launch(self, x, out, kind, pos, mode, flatten, default, settings):
+        """A closure rotating one operand: (x, pos, inverse, out, seq_len) -> result, or calls
+        back into the plan where the kernel refused."""
+        dtype, shape = x.dtype, x.shape
+        # float16 and bfloat16 travel as their bits: Numba has no CPU half type
+        bits = None if dtype.itemsize != 2 else np.int16 if dtype == _F16 else np.uint16
+        empty = np.empty
+        plan = self
+
+        def arguments(x, pos, out):
+            if kind == INT:
+                positions = pos
+            elif kind == NONE:
+                positions = default
+            else:
+                positions = pos.reshape(-1) if flatten else pos
+                if positions.dtype is not _INT64:
+                    positions = positions.astype(_INT64)  # a wrapped uint64 turns negative
+            if mode == FRESH:
+                result = o = empty(shape, dtype)
+                source = x
+            elif mode == IN_PLACE:
+                result = o = x
+                source = None  # in place: the kernel's compile-time case
+            else:
+                result = o = out
+                source = x
+            if bits is not None:
+                source = None if source is None else source.view(bits)
+                o = o.view(bits)
+            return result, source, o, positions
+
+        _, *probe = arguments(x, pos if kind != INT else 0, out)
+        kernel = self.cpu.rows_entry(*probe, self.tables, settings)
+
+        def rotate(x, pos, inverse, out, seq_len):
+            if inverse is not False and inverse is not True:
+                inverse = check_inverse(inverse)
+            if seq_len is not None:
+                _positions.seq_len_for(False, seq_len, 0)
+            if kind == INT and not 0 <= pos < plan.rows:
+                return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+            result, source, o, positions = arguments(x, pos, out)
+            status = kernel(source, o, positions, plan.tables, settings + inverse)
+            if status:
+                return plan._refused(status, (x,), pos, positions, inverse, (out,), seq_len)[0]
+            return result
+
+        rotate.arguments = arguments
+        rotate.kernel = kernel
+        rotate.settings = settings
+        return rotate
+
+    def _one(self, launch):
+        def run(xs, pos, inverse, outs, seq_len):
+            return (launch(xs[0], pos, inverse, None if outs is None else outs[0], seq_len),)
+
+        return run
+
+    def _operands(self, launches):
+        """q and k, each launched in turn. Everything that could stop a launch is settled
+        before the first: the pairs of arrays that might share memory here (the general plan
+        tells exactly), and the positions by the first launch, which reads the same values as
+        the second."""
+        plan = self
+        share = np.may_share_memory
+
+        def run(xs, pos, inverse, outs, seq_len):
+            if inverse is not False and inverse is not True:
+                inverse = check_inverse(inverse)
+            if seq_len is not None:
+                _positions.seq_len_for(False, seq_len, 0)
+            if plan.kind == INT and not 0 <= pos < plan.rows:
+                return plan._grow(pos, xs, pos, inverse, outs, seq_len)
+            if outs is not None:
+                for i, out in enumerate(outs):
+                    for other in xs + outs[i + 1 :]:
+                        if other is not out and other.size and out.size and share(out, other):
+                            return plan.general.run(xs, pos, inverse, outs, seq_len)
+            tables = plan.tables
+            results = []
+            for t, launch in enumerate(launches):
+                out = None if outs is None else outs[t]
+                result, source, o, positions = launch.arguments(xs[t], pos, out)
+                status = launch.kernel(source, o, positions, tables, launch.settings + inverse)
+                if status:
+                    if t:  # settled above: only a bug in arrayrope reaches this
+                        raise AssertionError(f"arrayrope: the row kernel refused k ({status})")
+                    return plan._refused(status, xs, pos, positions, inverse, outs, seq_len)
+                results.append(result)
+            return tuple(results)
+
+        return run
+
+    def _grow(self, high, xs, pos, inverse, outs, seq_len):
+        """A position past the cached rows: grow the cache to it, or (past its cap) rotate with
+        exact rows through the general plan."""
+        _positions.check_int(high)
+        outs = None if outs is None or outs[0] is None else outs
+        tables = self.table_source.cached(np, None, self.table_dtype, high)
+        if tables is None:
+            return self.general.run(xs, pos, inverse, outs, seq_len)
+        self._set_tables(tables)
+        return self.run(xs, pos, inverse, outs, seq_len)
+
+    def _refused(self, status, xs, pos, positions, inverse, outs, seq_len):
+        """The kernel wrote nothing: a position outside the table, or out's memory meeting
+        x's. Decide with the one check of each: grow the table, or take the general plan."""
+        if status == self.cpu.POSITION_OUTSIDE_TABLE:
+            if self.kind == INT:
+                return self._grow(pos, xs, pos, inverse, outs, seq_len)
+            _, _, high = _positions.check_values(np.asarray(positions))
+            return self._grow(high, xs, pos, inverse, outs, seq_len)
+        outs = None if outs is None or outs[0] is None else outs
+        return self.general.run(xs, pos, inverse, outs, seq_len)

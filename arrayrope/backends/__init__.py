@@ -1,0 +1,24 @@
+"""Kernel backends, each imported on first use: ``cpu`` (Numba, NumPy arrays), ``cuda.cupy``
+(CUDA C through CuPy), ``cuda.numba`` (numba.cuda) and ``reference`` (array operations).
+
+Every backend's ``launch(spec, operands, cos, sin, inverse)`` rotates one or two (x, out, idx)
+operands that the dispatcher has already checked; backends never re-check or re-dispatch.
+"""
+
+import importlib
+
+_MODULES = {
+    "numba": ".cpu",
+    "numpy": ".reference",
+    "cupy": ".cuda.cupy",
+    "numba-cuda": ".cuda.numba",
+}
+_loaded = {}
+
+
+def module(backend):
+    """The module of a backend name (see ``_MODULES``), imported the first time."""
+    found = _loaded.get(backend)
+    if found is None:
+        found = _loaded[backend] = importlib.import_module(_MODULES[backend], __name__)
+    return found

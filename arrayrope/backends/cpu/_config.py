@@ -1,0 +1,136 @@
+"""The CPU backend's switches and thread policy.
+
+The environment is read once, into one :class:`Config`; plans read it when they are built, and
+tests change it through :func:`override`, which also drops every plan built under the old one.
+The facts of the machine that code generation depends on (streaming stores, F16C) are constants
+of the process, not switches.
+"""
+
+import contextlib
+import dataclasses
+import os
+import platform
+import threading
+
+import numba
+from llvmlite import binding as ll
+
+from ... import _cache
+
+
+def _last_level_cache(default=32 << 20):
+    """The size of the CPU's largest cache in bytes (Linux sysfs), or ``default``."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale if text.rstrip("KM").isdigit() else 0)
+    return max(sizes, default=0) or default
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Thresholds of the launch policy (see the README's Configuration section)."""
+
+    # Inputs with fewer elements run on one thread: a parallel launch costs microseconds and can
+    # stall for milliseconds after an idle gap, more than the whole work of a decode step.
+    serial_below: int
+    # The one-thread row kernel (no flat views, no geometry) takes inputs below this many
+    # elements. With two threads the parallel kernel gains less, so it takes over later.
+    small_below: int
+    # Outputs of at least this many bytes, not written in place, take streaming stores: a plain
+    # store first reads each line it writes, a third stream of memory traffic. Smaller results
+    # may still be in cache when they are used next, which streaming would forfeit.
+    stream_above: int
+    # Aligned outputs below stream_above, and arrays rotated in place, take the direct path's
+    # vector loop with plain stores; off, they take the general row loop.
+    vector_rows: bool
+
+    @classmethod
+    def from_environment(cls, environ=os.environ):
+        serial_below = int(environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
+        factor = 4 if numba.config.NUMBA_NUM_THREADS <= 2 else 1
+        return cls(
+            serial_below=serial_below,
+            small_below=factor * serial_below,
+            stream_above=int(environ.get("ARRAYROPE_STREAM_ABOVE", _last_level_cache() // 2)),
+            vector_rows=True,
+        )
+
+
+CONFIG = Config.from_environment()
+
+# Code generation facts, fixed for the process.
+STREAMING = platform.machine().lower() in ("x86_64", "amd64")
+SOFT_F16 = os.environ.get("ARRAYROPE_SOFT_F16", "0") != "0"
+# With F16C (every x86-64 since 2013) LLVM's half conversions are single vector instructions
+# (vcvtph2ps/vcvtps2ph, round half to even). Without it LLVM would call a runtime helper that
+# Numba's JIT may not link, so other CPUs take bit arithmetic (see _convert).
+HARDWARE_F16 = not SOFT_F16 and "+f16c" in ll.get_host_cpu_features().flatten()
+# Disk cache of compiled kernels. Off when the software float16 path is forced: Numba's cache
+# key does not see that switch, and would hand back kernels built for the other one.
+DISK_CACHE = os.environ.get("ARRAYROPE_NUMBA_CACHE", "1") != "0" and not SOFT_F16
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Run with some of :class:`Config`'s fields changed (tests); plans built before or inside
+    are dropped, so that each is built under the config in force."""
+    global CONFIG
+    saved = CONFIG
+    CONFIG = dataclasses.replace(saved, **changes)
+    _cache.clear_all()
+    try:
+        yield CONFIG
+    finally:
+        CONFIG = saved
+        _cache.clear_all()
+
+
+# GNU OpenMP, Numba's "omp" threading layer, does not survive fork(): Numba kills (SIGTERM) a
+# forked child that starts a parallel region after its parent started one. Forked children are
+# common (PyTorch DataLoader workers, multiprocessing pools on Linux), so a child forked after
+# that runs every kernel on one thread. TBB and workqueue have no such limit.
+_forked = False
+
+
+def _after_fork_in_child():
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def threads_usable():
+    """Whether this process may launch a parallel kernel: False only in a child forked from a
+    process that had started Numba's OpenMP layer."""
+    if not _forked:
+        return True
+    try:
+        return numba.threading_layer() != "omp"
+    except ValueError:  # no parallel region ran before the fork: the child may start one
+        return True
+
+
+_launch_lock = threading.Lock()
+_layer = None
+
+
+def run_parallel(kernel, *args):
+    """``kernel(*args)`` for a parallel kernel. Numba's workqueue threading layer, its fallback
+    where neither TBB nor OpenMP loads, aborts the process when two threads launch at once
+    (Dask's threaded scheduler does), so there launches take turns. The layer is known after
+    the first launch."""
+    global _layer
+    if _layer is None or _layer == "workqueue":
+        with _launch_lock:
+            result = kernel(*args)
+            _layer = numba.threading_layer()
+        return result
+    return kernel(*args)

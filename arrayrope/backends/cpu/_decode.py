@@ -1,0 +1,266 @@
+"""The one-thread row kernel for decode- and prefill-sized inputs.
+
+It takes the arrays as they are, with any number of axes and any leading strides (the plan has
+checked that the kernel can address them): flat views and operand geometry cost more Python than
+the whole rotation of a decode step. Row r (in C order) sits at position
+``positions[(r // repeat) % len(positions)]``; ``positions`` may be one int, which is cheaper
+to hand over than an array.
+"""
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from ._config import DISK_CACHE, HARDWARE_F16
+from ._rows import rotate_pairs
+from ._simd import bfloat16_interleaved_step, contiguous, copy_element, half_step, interleaved_step
+
+# The status rotate_rows returns. It writes nothing unless it returns DONE.
+DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP = 0, 1, 2
+
+
+def settings(rotary_dim, half_style, inverse, repeat):
+    """rotate_rows's ``settings``: every argument costs the call its unboxing, so the scalars
+    travel packed in one int (kept below 2**62). Unpacked in rotate_rows, right below."""
+    return (repeat - 1) << 32 | rotary_dim << 2 | half_style << 1 | inverse
+
+
+@njit(cache=DISK_CACHE)
+def rotate_rows(x, o, positions, tables, settings):
+    """Rotate the rows of ``x`` into those of ``o`` (``x`` None: in place) by the rows of
+    ``tables`` (cos and sin stacked, shape (2, rows, pairs)) at ``positions``; see
+    :func:`settings` for the rest. The only checks are the ones that depend on values and
+    addresses, made before anything is written: every position is a row of the table, and the
+    memory of x and o do not overlap (the caller tells exact aliasing from partial overlap).
+    """
+    repeat = (settings >> 32) + 1
+    rotary_dim = (settings >> 2) & 0x3FFFFFFF
+    half_style = (settings & 2) != 0
+    inverse = (settings & 1) != 0
+    cos = tables[0]
+    sin = tables[1]
+    period = _count(positions)
+    for i in range(period):
+        if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
+            return POSITION_OUTSIDE_TABLE
+    if _overlap(x, o):
+        return SPANS_OVERLAP
+    _rows_of(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse)
+    return DONE
+
+
+def _count(positions):
+    """len(positions), or 1 where ``positions`` is a single int."""
+
+
+@overload(_count)
+def _count_impl(positions):
+    if isinstance(positions, types.Integer):
+        return lambda positions: 1
+    return lambda positions: positions.shape[0]
+
+
+def _entry(positions, i):
+    """positions[i], or ``positions`` itself where it is a single int."""
+
+
+@overload(_entry)
+def _entry_impl(positions, i):
+    if isinstance(positions, types.Integer):
+        return lambda positions, i: positions
+    return lambda positions, i: positions[i]
+
+
+def _row_at(x, o, idx):
+    """(``x[idx]``, ``o[idx]``) as contiguous views, or ``o[idx]`` twice where ``x`` is None."""
+
+
+@overload(_row_at)
+def _row_at_impl(x, o, idx):
+    if isinstance(x, types.NoneType):
+
+        def in_place(x, o, idx):
+            row = contiguous(o[idx])
+            return row, row
+
+        return in_place
+    return lambda x, o, idx: (contiguous(x[idx]), contiguous(o[idx]))
+
+
+def _overlap(x, o):
+    """Whether the memory spans of x and o intersect (False where x is None: in place): the
+    bounds test of np.may_share_memory, which costs a call from Python more than the kernel."""
+
+
+@overload(_overlap)
+def _overlap_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: False
+
+    def overlap(x, o):
+        x_lo, x_hi = _span(x)
+        o_lo, o_hi = _span(o)
+        return x_lo < o_hi and o_lo < x_hi
+
+    return overlap
+
+
+@njit(inline="always")
+def _span(a):
+    """[first byte, past the last byte) of the memory a spans (its whole span: empty or not)."""
+    lo = np.int64(a.ctypes.data)
+    hi = lo + a.itemsize
+    for k in range(a.ndim):
+        extent = (a.shape[k] - 1) * a.strides[k]
+        if extent < 0:
+            lo += extent
+        else:
+            hi += extent
+    return lo, hi
+
+
+def _rows_of(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+    """rotate_rows's row loop."""
+
+
+@overload(_rows_of)
+def _rows_of_impl(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+    # float16 without F16C keeps the row-view loop: see _direct
+    if o.dtype == types.uint16 or (o.dtype == types.int16 and HARDWARE_F16):
+        return _rows_in_steps[o.dtype == types.uint16]
+    return _rows_one_by_one
+
+
+def _rows_one_by_one(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+    """The rows through the general row body, a row view at a time."""
+    d = o.shape[o.ndim - 1]
+    n = rotary_dim // 2
+    period = _count(positions)
+    entry = 0
+    left = repeat
+    for idx in np.ndindex(o.shape[:-1]):
+        p = _entry(positions, entry)
+        xv, ov = _row_at(x, o, idx)
+        rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
+        for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
+            ov[np.uint64(j)] = xv[np.uint64(j)]
+        left -= 1
+        if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
+            left = repeat
+            entry += 1
+            if entry == period:
+                entry = 0
+
+
+# float16 and bfloat16 rows go through the direct path's vector steps, with plain stores that
+# need only element alignment, rows addressed by offset: LLVM's own loop over a row view converts
+# these types less well. float32 and float64 keep that loop, which the steps do not beat.
+_half_32 = half_step(32, False, aligned=False)
+_half_16 = half_step(16, False, aligned=False)
+_half_1 = half_step(None, False, aligned=False)
+
+
+def _source(x, o):
+    """x, or o where x is None (in place)."""
+
+
+@overload(_source)
+def _source_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: o
+    return lambda x, o: x
+
+
+def _copies(x):
+    """Whether rows have a tail to copy: not in place (``x`` None)."""
+
+
+@overload(_copies)
+def _copies_impl(x):
+    copies = not isinstance(x, types.NoneType)
+    return lambda x: copies
+
+
+@njit(inline="always")
+def _offset(a, idx):
+    """The flat element offset of row ``idx`` of ``a`` from its first element."""
+    offset = 0
+    for k in range(len(idx)):
+        offset += idx[k] * a.strides[k]
+    return offset // a.itemsize
+
+
+def _rows_in_steps_for(pair_32, pair_16, pair_1):
+    """The small path's rows in vector steps, with ``pair_*`` the interleaved layout's."""
+
+    def rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
+        """The rows in vector steps, each addressed by its flat offsets (no row views): 32
+        bytes at a time, then 16, then a pair at a time. Tails are copied afterwards."""
+        src = _source(x, o)
+        n = rotary_dim
+        h = n // 2
+        wide = 32 // o.itemsize
+        narrow = wide // 2
+        stride = cos.strides[0] // cos.itemsize  # sin's too: both are views of one table
+        period = _count(positions)
+        entry = 0
+        left = repeat
+        if half_style:
+            for idx in np.ndindex(o.shape[:-1]):
+                t = _entry(positions, entry) * stride
+                xr = _offset(src, idx)
+                orow = _offset(o, idx)
+                j = 0
+                while j + wide <= h:
+                    _half_32(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                    j += wide
+                if j + narrow <= h:
+                    _half_16(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                    j += narrow
+                while j < h:
+                    _half_1(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                    j += 1
+                left -= 1
+                if left == 0:
+                    left = repeat
+                    entry += 1
+                    if entry == period:
+                        entry = 0
+        else:
+            for idx in np.ndindex(o.shape[:-1]):
+                t = _entry(positions, entry) * stride
+                xr = _offset(src, idx)
+                orow = _offset(o, idx)
+                j = 0
+                while j + wide <= n:
+                    pair_32(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                    j += wide
+                if j + narrow <= n:
+                    pair_16(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                    j += narrow
+                while j < n:
+                    pair_1(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                    j += 2
+                left -= 1
+                if left == 0:
+                    left = repeat
+                    entry += 1
+                    if entry == period:
+                        entry = 0
+        d = o.shape[o.ndim - 1]
+        if d > rotary_dim and _copies(x):
+            for idx in np.ndindex(o.shape[:-1]):
+                xr = _offset(src, idx)
+                orow = _offset(o, idx)
+                for j in range(rotary_dim, d):
+                    copy_element(src, xr + j, o, orow + j)
+
+    return rows
+
+
+_rows_in_steps = (
+    _rows_in_steps_for(*(interleaved_step(n, False, aligned=False) for n in (32, 16, None))),
+    _rows_in_steps_for(
+        *(bfloat16_interleaved_step(n, False, aligned=False) for n in (32, 16, None))
+    ),
+)

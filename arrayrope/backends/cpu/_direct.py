@@ -1,0 +1,118 @@
+"""The direct path: rows rotated in vector registers and stored straight into the output.
+
+Large outputs take 16-byte streaming stores with no scratch block: the CPU's write-combining
+buffers join the pieces of each cache line, so a line split between two rows streams whole too.
+Smaller outputs, and arrays rotated in place, take the same loop with plain stores. Every store
+address must be 16-byte aligned (the launcher checks: see ``direct_path``); other outputs take
+the general row loop.
+"""
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ._config import HARDWARE_F16
+from ._simd import bfloat16_interleaved_step, copy_16, half_step, interleaved_step
+
+# Rows per block in the direct path where rows have a tail: the block's tails are copied
+# after its rows are rotated, while its lines are still in cache.
+_TAIL_BLOCK_ROWS = 16
+
+
+def _direct_rows_for(nontemporal):
+    """The direct path's row loop, storing with streaming stores or (``nontemporal`` False)
+    plain ones: a function ``rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin,
+    rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o (``x``
+    None: o in place, which only the plain-store mode is given)."""
+    half_32, half_16 = half_step(32, nontemporal), half_step(16, nontemporal)
+    shuffled = interleaved_step(32, nontemporal), interleaved_step(16, nontemporal)
+    bfloat16 = (
+        bfloat16_interleaved_step(32, nontemporal),
+        bfloat16_interleaved_step(16, nontemporal),
+    )
+    copy_16_bytes = copy_16(nontemporal)
+
+    def direct_rows(
+        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+    ):
+        """Rows of one run straight to o, rotated in vector registers."""
+
+    @overload(direct_rows)
+    def direct_rows_impl(
+        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+    ):
+        if isinstance(x, types.NoneType):  # in place: o read and written, no tail to copy
+
+            def in_place(
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+            ):
+                direct_rows(
+                    o, o, idx, ob, ob, pb, so, so, sp, axis, run, cos, sin, rotary_dim,
+                    rotary_dim, half, inv,
+                )  # fmt: skip
+
+            return in_place
+
+        # float16 without F16C takes the general loop (direct_path refuses it): its vector
+        # conversions would call runtime helpers that Numba's JIT may not link.
+        if o.dtype == types.int16 and not HARDWARE_F16:
+
+            def nothing(
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+            ):
+                return None
+
+            return nothing
+
+        pair_32, pair_16 = bfloat16 if o.dtype == types.uint16 else shuffled
+
+        # Each row's loop is written out here, not called as an inlined helper: the helper's
+        # array arguments, and table rows taken as views (cos[p]), cost reference-count calls
+        # per row. The table row starts at the flat offset tb (cos and sin alike). One loop per
+        # layout, and the tails copied in a loop of their own, a block of rows at a time: with
+        # the layout test or the tail inside the row loop, LLVM kept the loop's registers on the
+        # stack.
+        def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+            stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
+            wide = np.uint64(32 // o.itemsize)
+            n = np.uint64(rotary_dim)
+            h = n // np.uint64(2)
+            block = max(run, 1) if d == rotary_dim else _TAIL_BLOCK_ROWS
+            for first in range(0, run, block):
+                stop = min(first + block, run)
+                if half:
+                    for r in range(first, stop):
+                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        j = np.uint64(0)
+                        while j + wide <= h:
+                            half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                            j += wide
+                        if j < h:
+                            half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                else:
+                    for r in range(first, stop):
+                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        j = np.uint64(0)
+                        while j + wide <= n:
+                            pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                            j += wide
+                        if j < n:
+                            pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                if d > rotary_dim:
+                    for r in range(first, stop):
+                        xr = np.uint64(xb + r * sx)
+                        orow = np.uint64(ob + r * so)
+                        for t in range(rotary_dim, d, 16 // o.itemsize):
+                            copy_16_bytes(x, xr + np.uint64(t), o, orow + np.uint64(t))
+
+        return rows
+
+    return direct_rows
+
+
+direct_rows_streaming = _direct_rows_for(True)
+direct_rows_plain = _direct_rows_for(False)

@@ -1,0 +1,400 @@
+"""The general row loop and the two entry points of the general path: one thread, or rows
+split into parallel tasks.
+
+One row body serves every dtype and pair style: the dtype of the flat views picks the element
+conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
+None). Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand
+(q, k; see ``backends._geometry``); ``rotate`` passes an empty second operand. Results are
+written one of four ways (``stream``): plain stores, the scratch path (rows rotated into an
+in-cache block, then copied with streaming stores), or the direct path (see _direct) with
+streaming or plain stores.
+"""
+
+import numpy as np
+from numba import config, njit, prange, types
+from numba.extending import overload
+
+from ._config import DISK_CACHE
+from ._convert import load, store
+from ._direct import direct_rows_plain, direct_rows_streaming
+from ._simd import address, store_fence, stream_line
+
+SCRATCH, DIRECT, VECTOR = 1, 2, 3  # the kernels' ``stream`` argument; 0: plain stores
+# Rows rotated into an in-cache scratch block before each streaming copy.
+_STREAM_BLOCK_BYTES = 8192
+
+
+def _row_views(x, o, xb, ob):
+    """(``x[xb:]``, ``o[ob:]``), or the one view ``o[ob:]`` twice where ``x`` is None (in place).
+
+    In place is a compile-time case, not a flag, and one view object plays both roles: two views
+    of one address (or a runtime flag choosing between two inlined loops) fail or complicate
+    LLVM's aliasing checks, which then keep the loops scalar. Reading through ``o`` also lets a
+    read-only ``x`` compile.
+    """
+
+
+@overload(_row_views)
+def _row_views_impl(x, o, xb, ob):
+    if isinstance(x, types.NoneType):
+
+        def in_place(x, o, xb, ob):
+            row = o[ob:]
+            return row, row
+
+        return in_place
+    return lambda x, o, xb, ob: (x[xb:], o[ob:])
+
+
+# Every index is uint64: Numba adds a negative-index wraparound select to signed indices, which
+# stops LLVM from vectorizing. And every index counts from 0 in a view that starts where the loop
+# starts: with a runtime start offset in the index, LLVM left the interleaved (stride-2) loops
+# scalar.
+@njit(inline="always")
+def _pairs(x, o, half, n, cos, sin, inverse):
+    """Rotate pairs (j, j + half) for j < n: the "half" layout."""
+    h = np.uint64(half)
+    for j in range(n):
+        k = np.uint64(j)
+        c = cos[k]
+        s = -sin[k] if inverse else sin[k]  # the transpose: rotate by -angle
+        a = load(x, k)
+        b = load(x, k + h)
+        store(o, k, a * c - b * s)
+        store(o, k + h, b * c + a * s)
+
+
+@njit(inline="always")
+def _interleaved_pairs(x, o, n, cos, sin, inverse):
+    """Rotate pairs (2j, 2j + 1) for j < n: the "interleaved" layout."""
+    one = np.uint64(1)
+    for j in range(n):
+        k = np.uint64(j)
+        c = cos[k]
+        s = -sin[k] if inverse else sin[k]
+        a = load(x, 2 * k)
+        b = load(x, 2 * k + one)
+        store(o, 2 * k, a * c - b * s)
+        store(o, 2 * k + one, b * c + a * s)
+
+
+@njit(inline="always")
+def rotate_pairs(x, o, half, n, cos, sin, inverse):
+    """n pairs: (j, j + half) where half > 0 (the "half" layout), else (2j, 2j + 1).
+
+    Each layout and direction is its own loop, with ``inverse`` a constant in it: a runtime
+    sign select left in the loop costs every element a select.
+    """
+    if half:
+        if inverse:
+            _pairs(x, o, half, n, cos, sin, True)
+        else:
+            _pairs(x, o, half, n, cos, sin, False)
+    elif inverse:
+        _interleaved_pairs(x, o, n, cos, sin, True)
+    else:
+        _interleaved_pairs(x, o, n, cos, sin, False)
+
+
+@njit(inline="always")
+def _row(
+    x, o, idx, xb, ob, pb, axis_stride, cos, sin, seg, rotary_dim, d, half_style, inverse, copy_tail
+):
+    """Rotate the row at offsets ``xb`` (x) and ``ob`` (o), one run of pairs (a segment) per
+    position axis, converting each element in registers on its way in and out. ``x`` is None in
+    place (see :func:`_row_views`)."""
+    half = rotary_dim // 2
+    for s in range(seg.shape[0]):
+        p = idx[pb + seg[s, 2] * axis_stride]
+        first, stop = seg[s, 0], seg[s, 1]
+        if half_style:
+            xv, ov = _row_views(x, o, xb + np.uint64(first), ob + np.uint64(first))
+            rotate_pairs(xv, ov, half, stop - first, cos[p, first:], sin[p, first:], inverse)
+        else:
+            xv, ov = _row_views(x, o, xb + np.uint64(2 * first), ob + np.uint64(2 * first))
+            rotate_pairs(xv, ov, 0, stop - first, cos[p, first:], sin[p, first:], inverse)
+    if copy_tail:
+        xv, ov = _row_views(x, o, xb + np.uint64(rotary_dim), ob + np.uint64(rotary_dim))
+        for j in range(d - rotary_dim):
+            ov[np.uint64(j)] = xv[np.uint64(j)]
+
+
+def _streams(x, stream, mode):
+    """Whether ``stream`` is ``mode``; False in place (``x`` None), where no line is written
+    unread."""
+
+
+@overload(_streams)
+def _streams_impl(x, stream, mode):
+    if isinstance(x, types.NoneType):  # in place: only the plain-store vector loop
+        return lambda x, stream, mode: mode == VECTOR and stream == mode
+    return lambda x, stream, mode: stream == mode
+
+
+@njit(inline="always")
+def _stream_copy(src, dst, start, n):
+    """dst[start:start + n] = src[:n], the whole 64-byte lines of it with streaming stores.
+
+    Lines only partly inside (where dst is not 64-byte aligned) take plain stores, so that no
+    line gets both kinds."""
+    item = np.uint64(dst.itemsize)
+    per_line = np.uint64(64) // item
+    addr = address(dst, start)
+    head = ((np.uint64(64) - addr % np.uint64(64)) % np.uint64(64)) // item
+    if addr % item != 0 or head > n:
+        head = n
+    lines = (n - head) // per_line
+    for j in range(head):
+        dst[start + np.uint64(j)] = src[np.uint64(j)]
+    for k in range(lines):
+        j = head + np.uint64(k) * per_line
+        stream_line(dst, start + j, src, j)
+    for j in range(head + lines * per_line, n):
+        dst[start + np.uint64(j)] = src[np.uint64(j)]
+
+
+@njit(inline="always")
+def _run_start(g, row):
+    """Offsets (x, out, idx) of row ``row`` of the operand whose geometry block is ``g``, and how
+    many rows from it on share its run along the innermost leading axis, where the offsets
+    advance by constant strides."""
+    nlead = g.shape[1] - 1
+    xb = g[1, nlead]
+    ob = g[2, nlead]
+    pb = g[3, nlead]
+    rem = np.int64(row)  # a prange index may be unsigned; int64 keeps index arithmetic integral
+    left = np.int64(0)
+    for ax in range(nlead - 1, -1, -1):
+        i = rem % g[0, ax]
+        rem //= g[0, ax]
+        if ax == nlead - 1:
+            left = g[0, ax] - i
+        xb += i * g[1, ax]
+        ob += i * g[2, ax]
+        pb += i * g[3, ax]
+    return xb, ob, pb, left
+
+
+@njit
+def _rows(
+    x,
+    o,
+    idx,
+    g,
+    first,
+    stop,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    inverse,
+    copy_tail,
+    stream,
+):
+    """Rows first..stop-1 of the operand whose geometry block is ``g`` (``g[t]`` of the launch's
+    g). The leading index is decoded (int64 divisions) once per run of the innermost leading
+    axis; within a run the offsets advance by its strides: per-row index bookkeeping would cost
+    as much as rotating a float32 row in cache.
+
+    Every caller passes arguments of one set of types (no literal operand number or first row),
+    so that q's and k's calls, serial and parallel, share one compiled function: each type set
+    costs several seconds of compilation."""
+    if first >= stop:
+        return
+    inner = g.shape[1] - 2
+    sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
+    axis_stride = g[0, inner + 1]
+    streaming = _streams(x, stream, SCRATCH)
+    direct = _streams(x, stream, DIRECT)
+    vector = _streams(x, stream, VECTOR)
+    block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
+    scratch = np.empty(block * d, o.dtype) if streaming else o[:0]
+    row = first
+    while row < stop:
+        xb, ob, pb, left = _run_start(g, row)
+        run = min(left, stop - row)
+        if direct or vector:  # one run of pairs (seg has one row): see launch.direct_path
+            axis = seg[0, 2] * axis_stride
+            if direct:
+                direct_rows_streaming(
+                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
+                    half_style, inverse,
+                )  # fmt: skip
+            else:
+                direct_rows_plain(
+                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
+                    half_style, inverse,
+                )  # fmt: skip
+            row += run
+            continue
+        # Where the run's rows are contiguous in o and streaming pays, a block of them at a
+        # time is rotated into scratch (in cache) and then streamed to o; else the run is one
+        # block rotated straight into o. One call site of _row: each is inlined, and a second
+        # doubled the kernels' compile time.
+        buffered = streaming and so == d
+        step = block if buffered else run
+        for start in range(0, run, step):
+            rows = min(step, run - start)
+            for i in range(rows):
+                r = start + i
+                target = scratch if buffered else o
+                tb = i * d if buffered else ob + r * so
+                _row(
+                    x,
+                    target,
+                    idx,
+                    np.uint64(xb + r * sx),
+                    np.uint64(tb),
+                    pb + r * sp,
+                    axis_stride,
+                    cos,
+                    sin,
+                    seg,
+                    rotary_dim,
+                    d,
+                    half_style,
+                    inverse,
+                    copy_tail or buffered,
+                )
+            if buffered:
+                _stream_copy(scratch, o, np.uint64(ob + start * so), np.uint64(rows * d))
+        row += run
+    if streaming or direct:
+        store_fence()
+
+
+@njit(cache=DISK_CACHE)
+def _count_rows(g):
+    total = 1
+    for ax in range(g.shape[1] - 1):
+        total *= g[0, ax]
+    return total
+
+
+@njit(cache=DISK_CACHE)
+def rotate_serial(
+    x1,
+    o1,
+    i1,
+    x2,
+    o2,
+    i2,
+    g,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    inverse,
+    copy_tail,
+    stream,
+):
+    _rows(
+        x1,
+        o1,
+        i1,
+        g[0],
+        np.int64(0),
+        _count_rows(g[0]),
+        cos,
+        sin,
+        seg,
+        rotary_dim,
+        d,
+        half_style,
+        inverse,
+        copy_tail,
+        stream,
+    )
+    _rows(
+        x2,
+        o2,
+        i2,
+        g[1],
+        np.int64(0),
+        _count_rows(g[1]),
+        cos,
+        sin,
+        seg,
+        rotary_dim,
+        d,
+        half_style,
+        inverse,
+        copy_tail,
+        stream,
+    )
+
+
+# Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
+# tasks than threads balance nothing by themselves; each costs its call and index decoding.
+# Sixteen per thread, of equal size, keep the shares within one task (a sixteenth) of each
+# other.
+_MIN_TASK_ROWS = 32
+_MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def rotate_parallel(
+    x1,
+    o1,
+    i1,
+    x2,
+    o2,
+    i2,
+    g,
+    cos,
+    sin,
+    seg,
+    rotary_dim,
+    d,
+    half_style,
+    inverse,
+    copy_tail,
+    stream,
+):
+    # The tasks split the rows of both operands, q's then k's, into equal parts: a task may end
+    # q and begin k, so that no thread's share is short by a partial task per operand.
+    n1 = _count_rows(g[0])
+    n2 = _count_rows(g[1])
+    total = n1 + n2
+    chunk = max(_MIN_TASK_ROWS, (total + _MAX_TASKS - 1) // _MAX_TASKS)
+    for task in prange((total + chunk - 1) // chunk):
+        first = np.int64(task * chunk)
+        stop = min(first + chunk, total)
+        _rows(
+            x1,
+            o1,
+            i1,
+            g[0],
+            first,
+            min(stop, n1),
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            inverse,
+            copy_tail,
+            stream,
+        )  # nothing where first >= n1
+        _rows(
+            x2,
+            o2,
+            i2,
+            g[1],
+            max(first, n1) - n1,
+            stop - n1,
+            cos,
+            sin,
+            seg,
+            rotary_dim,
+            d,
+            half_style,
+            inverse,
+            copy_tail,
+            stream,
+        )  # nothing where stop <= n1

@@ -1,0 +1,308 @@
+"""The hand-written LLVM IR of the CPU kernels, behind a few intrinsics.
+
+Vector steps rotate the pairs of 16 or 32 bytes of a row at a time (or one pair): loads
+widened to the compute type, the rotation, the store rounded to the storage type, with plain or
+streaming (non-temporal) stores. The rest are single instructions LLVM does not reach from
+Numba: row views typed as contiguous, addresses, 64-byte streaming copies, the store fence.
+
+Every step addresses its arrays by flat element offsets from their first element; the caller
+guarantees the offsets are in bounds.
+"""
+
+import platform
+
+from llvmlite import ir
+from numba import types
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
+
+# Streaming stores and their fence are x86 instructions.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def contiguous(typingctx, row):
+    """A 1-D row view whose one stride the caller knows to be the itemsize, typed as C layout:
+    the same array, but loops over it index without its stride and vectorize (a strided row
+    view loops at half the speed)."""
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return types.Array(row.dtype, 1, "C")(row), codegen
+
+
+@intrinsic
+def address(typingctx, a, i):
+    """The address of ``a[i]`` in a 1-D array of unit stride, as an integer."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(builder.gep(data, [args[1]]), ir.IntType(64))
+
+    return types.uint64(a, i), codegen
+
+
+def _store_streaming(context, builder, array_type, array, index, value, align, nontemporal=True):
+    """Store ``value`` (a vector) at ``array[index]`` with a streaming store, which writes the
+    cache line without first reading it, or with a plain store where ``nontemporal`` is False.
+    ``align`` is what the address is known to have."""
+    data = context.make_array(array_type)(context, builder, array).data
+    address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
+    store = builder.store(value, address, align=align)
+    if nontemporal:
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+
+
+@intrinsic
+def stream_line(typingctx, dst, di, src, si):
+    """Copy the 64 bytes at ``src[si]`` to ``dst[di]`` (64-byte aligned) with a streaming store,
+    which writes the cache line without first reading it. Both arrays 1-D of unit stride."""
+
+    def codegen(context, builder, signature, args):
+        dst_ty, _, src_ty, _ = signature.args
+        s = context.make_array(src_ty)(context, builder, args[2]).data
+        line = ir.VectorType(ir.IntType(32), 16)
+        value = builder.load(builder.bitcast(builder.gep(s, [args[3]]), line.as_pointer()), align=1)
+        _store_streaming(context, builder, dst_ty, args[0], args[1], value, 64)
+        return context.get_dummy_value()
+
+    return types.void(dst, di, src, si), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Order the streaming stores before everything after (they are weakly ordered): another
+    thread, or Python after the kernel returns, then sees them."""
+
+    def codegen(context, builder, signature, args):
+        if X86:  # sfence: x86's fence for streaming stores (a seq_cst fence may not be)
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=fnty), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _splat(ty, lanes, value):
+    return ir.Constant(ir.VectorType(ty, lanes), [value] * lanes)
+
+
+def _lanes_of(array_type, nbytes):
+    """Elements of ``array_type`` in ``nbytes`` (None: one)."""
+    return 1 if nbytes is None else nbytes // (array_type.dtype.bitwidth // 8)
+
+
+def _load_lanes(context, builder, array_type, array, index, lanes):
+    """``lanes`` elements of a 1-D unit-stride array from ``index`` as a vector of the compute
+    type (float64 for float64, float32 otherwise), converted as _load converts one."""
+    data = context.make_array(array_type)(context, builder, array).data
+    address = builder.gep(data, [index])
+    dtype = array_type.dtype
+    if dtype in (types.float32, types.float64):
+        vector = ir.VectorType(context.get_value_type(dtype), lanes)
+        return builder.load(
+            builder.bitcast(address, vector.as_pointer()), align=dtype.bitwidth // 8
+        )
+    bits = builder.load(
+        builder.bitcast(address, ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2
+    )
+    floats = ir.VectorType(ir.FloatType(), lanes)
+    if dtype == types.int16:  # float16 bits
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), floats)
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), lanes))  # bfloat16 bits
+    return builder.bitcast(builder.shl(wide, _splat(ir.IntType(32), lanes, 16)), floats)
+
+
+def _stream_lanes(context, builder, array_type, array, index, value, nontemporal, aligned=True):
+    """Store the vector ``value`` at ``array[index]`` (16-byte aligned; only element-aligned
+    where ``aligned`` is False), rounded once to the array's storage type as _store rounds,
+    with streaming stores (plain ones where ``nontemporal`` is False)."""
+    lanes = value.type.count
+    dtype = array_type.dtype
+    if dtype == types.int16:  # float16 bits, rounded half to even
+        value = builder.bitcast(
+            builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
+            ir.VectorType(ir.IntType(16), lanes),
+        )
+    elif dtype == types.uint16:  # bfloat16 bits
+        rounded = _bf16_round_lanes(builder, value)
+        value = builder.trunc(
+            builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
+            ir.VectorType(ir.IntType(16), lanes),
+        )
+    align = 16 if aligned else dtype.bitwidth // 8
+    _store_streaming(context, builder, array_type, array, index, value, align, nontemporal)
+
+
+def _bf16_round_lanes(builder, value):
+    """_convert.f32_to_bf16_result on every lane of a float32 vector, as 32-bit words whose
+    high halves are the bfloat16 bits (the low halves are left over from the rounding)."""
+    i32 = ir.IntType(32)
+    lanes = value.type.count
+    bits = builder.bitcast(value, ir.VectorType(i32, lanes))
+    odd = builder.and_(builder.lshr(bits, _splat(i32, lanes, 16)), _splat(i32, lanes, 1))
+    return builder.add(builder.add(bits, _splat(i32, lanes, 0x7FFF)), odd)
+
+
+def _signed_sin(builder, sin, inverse):
+    """sin, or -sin for the inverse (the transpose), as _pairs takes it: the sign bit xored with
+    a mask that LLVM hoists out of the row loop. (A negate and a select compiled into a test and
+    branch in every vector step.)"""
+    lanes = sin.type.count
+    bits = 64 if isinstance(sin.type.element, ir.DoubleType) else 32
+    words = ir.VectorType(ir.IntType(bits), lanes)
+    sign = builder.select(inverse, ir.IntType(bits)(1 << (bits - 1)), ir.IntType(bits)(0))
+    mask = builder.insert_element(ir.Constant(words, None), sign, ir.IntType(32)(0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    mask = builder.shuffle_vector(mask, mask, zeros)  # the sign in every lane
+    return builder.bitcast(builder.xor(builder.bitcast(sin, words), mask), sin.type)
+
+
+def half_step(nbytes, nontemporal, aligned=True):
+    """An intrinsic rotating the pairs (j, j + h) for the ``nbytes`` of o from o[oa] on (None:
+    one pair): x read from x[xa] and x[xa + h], tables from cos[t], sin[t]. _pairs's
+    arithmetic, in vectors. It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, h, cos, sin, t, inverse):
+        lanes = _lanes_of(o, nbytes)
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, h_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            a = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
+            b = _load_lanes(context, builder, tys[0], x_, builder.add(xa_, h_), lanes)
+            c = _load_lanes(context, builder, tys[5], cos_, t_, lanes)
+            s = _signed_sin(
+                builder, _load_lanes(context, builder, tys[6], sin_, t_, lanes), inverse_
+            )
+            first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
+            second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
+            _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal, aligned)
+            second_at = builder.add(oa_, h_)
+            _stream_lanes(context, builder, tys[2], o_, second_at, second, nontemporal, aligned)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, h, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def interleaved_step(nbytes, nontemporal, aligned=True):
+    """An intrinsic rotating the pairs (2j, 2j + 1) in the ``nbytes`` of o from o[oa] on (None:
+    one pair): x read from x[xa], tables from cos[t], sin[t]. _interleaved_pairs's arithmetic,
+    in vectors: each element times its pair's cos, plus its partner times its pair's (signed)
+    sin. It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
+        lanes = 2 if nbytes is None else _lanes_of(o, nbytes)
+        i32 = ir.IntType(32)
+        twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
+        swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
+        # even lanes from the difference, odd lanes from the sum
+        pick = ir.Constant(
+            ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
+        )
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            v = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
+            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes // 2)
+            s = _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2)
+            s = _signed_sin(builder, s, inverse_)
+            c = builder.shuffle_vector(c, c, twice)
+            s = builder.shuffle_vector(s, s, twice)
+            scaled = builder.fmul(v, c)  # (a c, b c)
+            crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
+            result = builder.shuffle_vector(
+                builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
+            )
+            _stream_lanes(context, builder, tys[2], o_, oa_, result, nontemporal, aligned)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def bfloat16_interleaved_step(nbytes, nontemporal, aligned=True):
+    """The interleaved step for bfloat16, with no shuffles (they cost the shuffling step a fifth
+    of its speed): each pair's two elements are one 32-bit word, whose low half is the first
+    element's bits and whose high half is the second's, so shifting and masking the word widens
+    both to float32, and f32_to_bf16_result on both results puts them back. ``nbytes`` None:
+    one pair; ``aligned`` False: stores need only element alignment."""
+
+    @intrinsic
+    def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
+        lanes = 1 if nbytes is None else nbytes // 4  # pairs
+        i32 = ir.IntType(32)
+        words = ir.VectorType(i32, lanes)
+        floats = ir.VectorType(ir.FloatType(), lanes)
+
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+            tys = signature.args
+            source = context.make_array(tys[0])(context, builder, x_).data
+            pair = builder.load(
+                builder.bitcast(builder.gep(source, [xa_]), words.as_pointer()), align=2
+            )
+            sixteen = _splat(i32, lanes, 16)
+            a = builder.bitcast(builder.shl(pair, sixteen), floats)
+            b = builder.bitcast(builder.and_(pair, _splat(i32, lanes, 0xFFFF0000)), floats)
+            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes)
+            s = _signed_sin(
+                builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_
+            )
+            first = _bf16_round_lanes(builder, builder.fsub(builder.fmul(a, c), builder.fmul(b, s)))
+            second = _bf16_round_lanes(
+                builder, builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
+            )
+            result = builder.or_(
+                builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
+            )
+            align = 16 if aligned else 2
+            _store_streaming(context, builder, tys[2], o_, oa_, result, align, nontemporal)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def copy_16(nontemporal):
+    """An intrinsic: o[oa...] = x[xa...], 16 bytes, with a streaming store (o[oa] 16-byte
+    aligned) or a plain one."""
+
+    @intrinsic
+    def copy(typingctx, x, xa, o, oa):
+        def codegen(context, builder, signature, args):
+            x_, xa_, o_, oa_ = args
+            vector = ir.VectorType(ir.IntType(32), 4)
+            source = context.make_array(signature.args[0])(context, builder, x_).data
+            value = builder.load(
+                builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
+            )
+            _store_streaming(context, builder, signature.args[2], o_, oa_, value, 16, nontemporal)
+            return context.get_dummy_value()
+
+        return types.void(x, xa, o, oa), codegen
+
+    return copy
+
+
+@intrinsic
+def copy_element(typingctx, x, xa, o, oa):
+    """o[oa] = x[xa]: one element's bits, at flat element offsets from each array's first
+    element, as the steps address them."""
+
+    def codegen(context, builder, signature, args):
+        x_, xa_, o_, oa_ = args
+        source = context.make_array(signature.args[0])(context, builder, x_).data
+        target = context.make_array(signature.args[2])(context, builder, o_).data
+        builder.store(builder.load(builder.gep(source, [xa_])), builder.gep(target, [oa_]))
+        return context.get_dummy_value()
+
+    return types.void(x, xa, o, oa), codegen

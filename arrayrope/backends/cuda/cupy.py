@@ -1,0 +1,191 @@
+"""CUDA C kernels compiled through CuPy (RawModule), and their launcher.
+
+Entry points per storage dtype and pair style, built once per device and fetched by name:
+``rope_<dtype>_<style>`` loads element by element, ``rope_<dtype>_<style>_v<P>`` loads P pairs
+per lane as one aligned access of up to 16 bytes, where the launcher finds every row aligned
+(:func:`launch_plan`). Operands are addressed from their element 0 with signed element strides,
+so any leading layout (negative steps, fused QKV views, broadcast positions) runs without a copy.
+
+Launch geometry: ``block=(32, WARPS_PER_BLOCK)``. The 32 lanes of a warp walk the pairs of one
+row at a time, so neighbouring lanes touch neighbouring memory, and each warp takes
+ROWS_PER_WARP consecutive rows, decoding the row coordinates once for them. q and k rows share
+one grid (one launch for rotate_qk).
+"""
+
+from importlib import resources
+
+import numpy as np
+
+from ..._cache import Bounded
+from ..._errors import BackendUnavailableError
+from .._geometry import geometry, rows
+from ._device import on_device
+
+LANES = 32
+WARPS_PER_BLOCK = 8
+ROWS_PER_WARP = 4
+ROWS_PER_BLOCK = WARPS_PER_BLOCK * ROWS_PER_WARP
+
+_KERNELS = (resources.files(__package__) / "rope.cu").read_text()
+
+# Storage type in the source and item size, by dtype name
+_STORAGE = {
+    "float32": ("float", 4),
+    "float64": ("double", 8),
+    "float16": ("f16_bits", 2),
+    "bfloat16": ("bf16_bits", 2),
+}
+
+
+def _variants():
+    """(name, storage type, half style, P, vector) of every entry point: per dtype and style,
+    one element-wise (``rope_<dtype>_<style>``) and one per P pairs a lane loads as one access
+    of at most 16 bytes (``..._v<P>``)."""
+    for dtype, (ctype, size) in _STORAGE.items():
+        for style in ("interleaved", "half"):
+            name = f"rope_{dtype}_{style}"
+            yield name, ctype, style == "half", 1, False
+            elements = 1 if style == "half" else 2  # per pair and access
+            for p in (1, 2, 4):
+                if 1 < p * elements and p * elements * size <= 16:
+                    yield f"{name}_v{p}", ctype, style == "half", p, True
+
+
+KERNEL_NAMES = tuple(v[0] for v in _variants())
+SOURCE = (
+    f"#define ROWS_PER_WARP {ROWS_PER_WARP}\n"
+    + _KERNELS
+    + "".join(
+        f"ROPE_ENTRY({name}, {ctype}, {str(half).lower()}, {p}, {str(vector).lower()})\n"
+        for name, ctype, half, p, vector in _variants()
+    )
+)
+
+
+def require_cupy():
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is None:
+        raise BackendUnavailableError(
+            "backend 'cupy' needs CuPy: pip install 'arrayrope[cuda12]' (or [cuda13])"
+        )
+    return cupy
+
+
+_modules = Bounded(16)  # per device
+_functions = Bounded(256)  # per device and entry point
+last_entry = None  # the entry point of the latest launch, for benchmarks and debugging
+
+
+def _function(cupy, device, name):
+    """Entry point ``name`` of the module on device ``device`` (an id; the current one):
+    compiled once per device (all entry points together), each looked up once (a lookup is a
+    driver call)."""
+    function = _functions.get((device, name))
+    if function is None:
+        module = _modules.get(device)
+        if module is None:
+            module = cupy.RawModule(code=SOURCE, options=("--std=c++14",))
+            _modules.put(device, module)
+        function = _functions.put((device, name), module.get_function(name))
+    return function
+
+
+def _address(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _alignment(arrays):
+    """The largest power of two, at most 16, dividing the byte address of every row of every
+    array (the start and the strides of axes longer than 1; negative strides alike)."""
+    bits = 16
+    for a in arrays:
+        bits |= _address(a)
+        for n, s in zip(a.shape[:-1], a.strides[:-1]):
+            if n > 1:
+                bits |= s
+    return bits & -bits
+
+
+def _pairs_per_access(spec, operands, tables):
+    """P of the ``_v<P>`` entry point to launch, or 0 for the element-wise one: the largest P
+    whose access (P pairs, at most 16 bytes) is aligned in every row of every x and out and
+    in the tables, and which leaves no lane idle where a row has 32 pairs or more."""
+    itemsize = operands[0][0].itemsize
+    half = spec.rotary_dim // 2
+    per_pair = 1 if spec.half_style else 2  # elements of a pair in one access
+    data = _alignment([a for x, out, _ in operands for a in (x, out)])
+    table = _alignment(tables)
+    for p in (4, 2, 1):
+        if (
+            p * per_pair > 1
+            and p * per_pair * itemsize <= data
+            and p * tables[0].itemsize <= table
+            and half % p == 0
+            and (p == 1 or half >= LANES * p)
+        ):
+            return p
+    return 0
+
+
+_ENTRY_PREFIX = {}  # "rope_<dtype>_<style>" by (dtype, style): dtype.name is slow to build
+
+
+def launch_plan(spec, operands, tables, inverse):
+    """What one launch takes, host side: (kernel name, grid, block, the six operand arrays,
+    geometry g, nlead, and the scalars after the tables: rotary_dim, d, sign, copy_tail, n1,
+    n2). The kernel's arguments are the arrays, g, nlead, cos, sin (``tables``, C-contiguous),
+    pair_axis (int32), then those scalars. Shared by :func:`launch` and the tests, which run the
+    same source on the host."""
+    x0 = operands[0][0]
+    g = geometry(operands, flat=False)
+    arrays = []
+    for x, out, idx in operands:
+        arrays += (x, out, idx)  # arrays pass as the address of their element 0
+    if len(operands) == 1:
+        arrays += arrays  # the second operand has zero rows
+    n1 = rows(g, 0)
+    n2 = rows(g, 1) if len(operands) == 2 else 0
+    d = x0.shape[-1]
+    copy_tail = int(spec.rotary_dim < d and any(o is not x for x, o, _ in operands))
+    compute = np.float64 if x0.dtype == np.float64 else np.float32
+    scalars = (
+        np.int32(spec.rotary_dim),
+        np.int32(d),
+        compute(-1.0 if inverse else 1.0),
+        np.int32(copy_tail),
+        np.int64(n1),
+        np.int64(n2),
+    )
+    grid = ((n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    p = _pairs_per_access(spec, operands, tables)
+    prefix = _ENTRY_PREFIX.get((x0.dtype, spec.style))
+    if prefix is None:
+        prefix = _ENTRY_PREFIX[(x0.dtype, spec.style)] = f"rope_{x0.dtype.name}_{spec.style}"
+    name = prefix + (f"_v{p}" if p else "")
+    block = (LANES, WARPS_PER_BLOCK)
+    return name, grid, block, tuple(arrays), g, np.int32(g.shape[2] - 1), scalars
+
+
+def launch(spec, operands, cos, sin, inverse):
+    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``."""
+    cupy = require_cupy()
+    device = operands[0][0].device
+    with device:
+        device = device.id
+        tables = (cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin))
+        name, grid, block, arrays, g_host, nlead, scalars = launch_plan(
+            spec, operands, tables, inverse
+        )
+        g = on_device(cupy, device, ("g", g_host.shape, g_host.tobytes()), g_host)
+        axes = spec.pair_axis
+        pair_axis = on_device(
+            cupy, device, ("axes", "int32", axes.tobytes()), lambda: axes.astype(np.int32)
+        )
+        _function(cupy, device, name)(
+            grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)
+        )
+    global last_entry
+    last_entry = name

@@ -1,0 +1,135 @@
+"""The dispatch layer: which plan a call's layout gets, that one plan serves every call of that
+layout, and that what depends on values (table growth) is decided per call.
+
+The results themselves are the contract tests' business (test_properties, test_api): here the
+question is only which way a call goes and what is cached.
+"""
+
+import numpy as np
+import pytest
+
+import arrayrope as ar
+from arrayrope import _api, _dispatch, _positions
+from arrayrope._plan import GeneralPlan
+from arrayrope._plan_rows import RowsPlan
+
+
+def _plan_of(rope, call):
+    """The class of the plan ``call()`` builds on ``rope``, which starts with no plans."""
+    rope._engine.plans.clear()
+    call()
+    (plan,) = rope._engine.plans.values()
+    return type(plan)
+
+
+def test_each_layout_gets_its_strategy():
+    rope = ar.RoPE(8)
+    x = np.ones((2, 8), np.float32)
+
+    def rows(*args, **kwargs):
+        return _plan_of(rope, lambda: rope.rotate(*args, **kwargs)) is RowsPlan
+
+    assert rows(x, 3)
+    assert rows(x, np.int64(3)) and rows(x, np.uint16(3))  # NumPy integer scalars too
+    assert rows(x, np.array([3])) and rows(x, np.array([3, 4]))
+    assert not rows(x, 3.0) and not rows(x, np.array([1.5, 2.0]))  # real-valued: general
+    assert not rows(x[:, ::-1], 3)  # the feature axis is not contiguous: general
+    assert rows(x[::-1], 3)  # any leading strides
+    odd = np.ndarray((2, 8), np.float32, np.zeros(80, np.uint8), offset=2, strides=(34, 4))
+    assert not rows(odd, 3)  # a misaligned start and a stride of part elements: general
+    cache = np.zeros((1, 4, 16, 8), np.float32)
+    step = np.ones((1, 4, 1, 8), np.float32)
+    assert rows(step, 3, out=cache[:, :, 5:6])  # a KV-cache slice
+    batch = np.ones((2, 4, 1, 8), np.float32)  # (B, H, 1, d): batched decode
+    assert rows(batch, np.array([[[5]], [[9]]])) and rows(batch, np.array([5, 9])[:, None, None])
+    prefill = np.ones((2, 4, 3, 8), np.float32)
+    assert not rows(prefill, np.array([[[0, 1, 2]], [[5, 6, 7]]]))  # (B, 1, T): general
+    assert rows(x, 3, out=np.empty_like(x)) and rows(x, 3, out=x)
+    frozen = np.empty_like(x)
+    frozen.flags.writeable = False
+    with pytest.raises(ar.RopeValueError, match="read-only"):
+        rope.rotate(x, 3, out=frozen)
+    k = np.ones((1, 8), np.float32)
+    assert _plan_of(rope, lambda: rope.rotate_qk(x, k, 3)) is RowsPlan
+    assert _plan_of(rope, lambda: rope.rotate_qk(x, k, 3, out=(x, k))) is RowsPlan
+    assert _plan_of(rope, lambda: rope.rotate(x, 3, backend="numpy")) is GeneralPlan
+    sectioned = ar.RoPE.sectioned(8, (2, 2))
+    assert _plan_of(sectioned, lambda: sectioned.rotate(x, np.zeros((2, 2), int))) is GeneralPlan
+
+
+@pytest.mark.parametrize("limit", [1024, 4096])
+def test_the_row_kernel_takes_inputs_below_small_below(limit, cpu_config, rng):
+    cpu_config(small_below=limit)
+    rope = ar.RoPE(16, style="half")
+    for rows in (limit // 16 - 1, limit // 16):
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        pos = rng.integers(0, 5000, rows)
+        taken = _plan_of(rope, lambda x=x, pos=pos: rope.rotate(x, pos)) is RowsPlan
+        assert taken == (x.size < limit)
+    q = rng.standard_normal((limit // 32, 16)).astype(np.float32)  # q and k: limit // 2 each
+    for k_rows in (limit // 32 - 1, limit // 32):
+        k = rng.standard_normal((k_rows, 16)).astype(np.float32)
+        taken = _plan_of(rope, lambda k=k: rope.rotate_qk(q, k, 7)) is RowsPlan
+        assert taken == (q.size + k.size < limit)
+
+
+def test_one_plan_serves_every_call_of_a_layout(rng):
+    rope = ar.RoPE(16)
+    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
+    plans = rope._engine.plans
+    plans.clear()
+    rope.rotate(x, 5)  # NumPy x, int position: the inline key
+    rope.rotate(x, np.int64(9))  # a NumPy integer goes the general way to the same key
+    rope.rotate(x.copy(), 11)  # another array of the same layout
+    assert len(plans) == 1
+    rope.rotate(x, np.array([3]))
+    rope.rotate(x, np.array([4]))
+    assert len(plans) == 2
+    rope.rotate_qk(x, k, 5)
+    rope.rotate_qk(x, k, np.int32(5))
+    assert len(plans) == 3
+    for key in plans:  # the general way builds the keys the inline ones look up
+        assert isinstance(key, tuple)
+    kind, value = _positions.resolve(np.int64(9), 1)
+    assert _dispatch.plan_key((x,), kind, value, None, "auto") in plans
+
+
+def test_module_level_functions_share_a_rope_and_its_plans(rng):
+    x = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    for base in range(1000, 1070):  # more configurations than the shared RoPEs keep
+        ar.rotate(x, 1, base=float(base))
+    expected = ar.rotate(x, 9, base=500.0)
+    rope = _api.shared_rope(16, 500.0, "interleaved", None, None)
+    assert rope is _api.shared_rope(16, 500.0, "interleaved", None, None)
+    assert len(_api._shared) <= _api._shared.limit
+    plans = dict(rope._engine.plans)
+    np.testing.assert_array_equal(ar.rotate(x, 9, base=500.0), expected)
+    assert dict(rope._engine.plans) == plans  # found, not built again
+    np.testing.assert_array_equal(rope.rotate(x, 9), expected)
+
+
+def test_the_cache_grows_to_a_position_past_it_and_stays_put(rng):
+    rope = ar.RoPE(8)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    rope.rotate(x, 1)
+    (plan,) = rope._engine.plans.values()
+    rows = plan.rows
+    rope.rotate(x, rows)  # one past the cached rows: the table at least doubles
+    assert plan.rows >= 2 * rows
+    grown = plan.rows
+    rope.rotate(x, np.array([grown - 1, 0]))
+    rope.rotate(x, grown - 1)
+    assert {p.rows for p in rope._engine.plans.values()} == {grown}
+    rope.rotate(x, np.array([grown, 0]))  # an array past it grows it too
+    assert max(p.rows for p in rope._engine.plans.values()) > grown
+
+
+def test_changing_the_config_drops_plans(cpu_config):
+    rope = ar.RoPE(8)
+    x = np.ones((4, 8), np.float32)
+    rope.rotate(x, 1)
+    assert rope._engine.plans
+    cpu_config(small_below=0)
+    assert not rope._engine.plans
+    assert _plan_of(rope, lambda: rope.rotate(x, 1)) is GeneralPlan
