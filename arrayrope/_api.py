@@ -39,14 +39,8 @@ def _head_dim(name, x):
     return shape[-1]
 
 
-def _rope_for(name, x, base, style, rotary_dim, scaling):
-    try:
-        rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
-    except (AttributeError, IndexError, TypeError):  # the slow way below says what is wrong
-        rope = None
-    if rope is None:
-        rope = shared_rope(_head_dim(name, x), base, style, rotary_dim, scaling)
-    return rope
+# The functions below find their RoPE with one lookup written out in each, and call its engine
+# directly: a decode step is short enough to feel a helper call or RoPE.rotate's keywords.
 
 
 def rotate(
@@ -67,8 +61,13 @@ def rotate(
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
     ``x.shape[-1]``; calls with one configuration share one RoPE and its cache.
     """
-    rope = _rope_for("x", x, base, style, rotary_dim, scaling)
-    return rope.rotate(x, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
+    try:
+        rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
+    except (AttributeError, IndexError, TypeError):  # the slow way below says what is wrong
+        rope = None
+    if rope is None:
+        rope = shared_rope(_head_dim("x", x), base, style, rotary_dim, scaling)
+    return rope._engine.rotate(x, pos, inverse, out, backend, seq_len)
 
 
 def rotate_qk(
@@ -86,5 +85,10 @@ def rotate_qk(
     seq_len=None,
 ):
     """Rotate queries and keys in one pass; returns (q_rot, k_rot). See :meth:`RoPE.rotate_qk`."""
-    rope = _rope_for("q", q, base, style, rotary_dim, scaling)
-    return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, backend=backend, seq_len=seq_len)
+    try:
+        rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))
+    except (AttributeError, IndexError, TypeError):
+        rope = None
+    if rope is None:
+        rope = shared_rope(_head_dim("q", q), base, style, rotary_dim, scaling)
+    return rope._engine.rotate_qk(q, k, pos, inverse, out, backend, seq_len)

@@ -43,7 +43,7 @@ def plan_key(xs, kind, pos, outs, backend):
 
 def _outs_key(xs, outs):
     """What the plan needs of ``outs``: per out, the index of the operand it is, or its
-    layout."""
+    layout (one operand: that entry alone)."""
     if outs is None:
         return None
     key = []
@@ -54,7 +54,7 @@ def _outs_key(xs, outs):
                 break
         else:
             key.append(_array_key(out, _arrays.family(out)))
-    return tuple(key)
+    return key[0] if len(xs) == 1 else tuple(key)
 
 
 class Engine:
@@ -83,9 +83,9 @@ class Engine:
             if out is None:
                 out_key = None
             elif out is x:
-                out_key = (0,)
+                out_key = 0
             elif type(out) is _NDARRAY:
-                out_key = ((NUMPY, out.dtype, out.shape, out.strides, out.flags.num),)
+                out_key = (NUMPY, out.dtype, out.shape, out.strides, out.flags.num)
             else:
                 pos_key = None
             if pos_key is not None:

@@ -111,13 +111,33 @@ class RowsPlan:
         kernel = self.cpu.rows_entry(*probe, self.tables, settings)
 
         def rotate(x, pos, inverse, out, seq_len):
+            # arguments(), written out: a decode step is short enough to feel one more call
             if inverse is not False and inverse is not True:
                 inverse = check_inverse(inverse)
             if seq_len is not None:
                 _positions.seq_len_for(False, seq_len, 0)
-            if kind == INT and not 0 <= pos < plan.rows:
-                return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
-            result, source, o, positions = arguments(x, pos, out)
+            if kind == INT:
+                if not 0 <= pos < plan.rows:
+                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                positions = pos
+            elif kind == NONE:
+                positions = default
+            else:
+                positions = pos.reshape(-1) if flatten else pos
+                if positions.dtype is not _INT64:
+                    positions = positions.astype(_INT64)
+            if mode == FRESH:
+                result = o = empty(shape, dtype)
+                source = x
+            elif mode == IN_PLACE:
+                result = o = x
+                source = None
+            else:
+                result = o = out
+                source = x
+            if bits is not None:
+                source = None if source is None else source.view(bits)
+                o = o.view(bits)
             status = kernel(source, o, positions, plan.tables, settings + inverse)
             if status:
                 return plan._refused(status, (x,), pos, positions, inverse, (out,), seq_len)[0]
