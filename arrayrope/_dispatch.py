@@ -10,7 +10,7 @@ the shortest way to the key, written out in :meth:`Engine.rotate` for a decode s
 
 import numpy as np
 
-from . import _arrays, _plan, _positions
+from . import _arrays, _interop, _plan, _positions
 from ._arrays import CUPY, FOREIGN, NUMPY
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
@@ -93,10 +93,27 @@ class Engine:
                 plan = self.plans.get(key)
                 if plan is not None:
                     return plan.rotate(x, pos, inverse, out, seq_len)
+        elif out is None or out is x:
+            adopt = _interop.fast_adopter(type(x))
+            found = None if adopt is None else adopt(x)
+            if found is not None:  # a torch or JAX array on the CPU, viewed as NumPy
+                native, back = found
+                if out is None:
+                    return back(self.rotate(native, pos, inverse, None, backend, seq_len))
+                if native.flags.writeable:
+                    self.rotate(native, pos, inverse, native, backend, seq_len)
+                    return x
         outs = None if out is None else (out,)
         return self.run((x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos, inverse, out, backend, seq_len):
+        if out is None and type(q) is type(k) and type(q) is not _NDARRAY:
+            adopt = _interop.fast_adopter(type(q))
+            found = None if adopt is None else (adopt(q), adopt(k))
+            if found is not None and found[0] is not None and found[1] is not None:
+                (q, back), (k, _) = found  # torch or JAX arrays on the CPU, viewed as NumPy
+                q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, None, backend, seq_len)
+                return back(q_rot), back(k_rot)
         if type(q) is _NDARRAY and type(k) is _NDARRAY and out is None:
             if pos is None:
                 pos_key = NONE
@@ -135,7 +152,7 @@ class Engine:
             outs is not None and any(not _arrays.family(o) for o in outs)
         ):
             return self._foreign(xs, pos, inverse, outs, backend, seq_len)
-        kind, pos = _positions.resolve(pos, self.spec.n_axes)
+        kind, pos = _positions.resolve(_interop.native_positions(pos), self.spec.n_axes)
         key = plan_key(xs, kind, pos, outs, backend)
         plan = self.plans.get(key)
         if plan is None:
@@ -145,8 +162,6 @@ class Engine:
     def _foreign(self, xs, pos, inverse, outs, backend, seq_len):
         """Arrays from other frameworks: viewed as NumPy or CuPy (no copy), rotated on this
         path, and handed back as their own type; Dask arrays as a lazy graph."""
-        from . import _interop
-
         names = ("x",) if len(xs) == 1 else ("q", "k")
         if any(_interop.is_dask(x) for x in xs):
             return _interop.rotate_dask(self.owner, xs, pos, inverse, outs, backend, seq_len)
@@ -192,8 +207,6 @@ class Engine:
         else:
             array_family = _arrays.family(like)
             if not array_family:
-                from . import _interop
-
                 like, restore, _ = _interop.adopt("like", like)
                 array_family = _arrays.family(like)
             dtype = _arrays.compute_dtype(like.dtype)
@@ -201,7 +214,7 @@ class Engine:
                 raise RopeTypeError(
                     f"like must be float16, bfloat16, float32 or float64, got dtype {like.dtype}"
                 )
-        kind, values = _positions.resolve(pos, self.spec.n_axes)
+        kind, values = _positions.resolve(_interop.native_positions(pos), self.spec.n_axes)
         if kind == INT:
             values = np.asarray(values)
         shape = values.shape

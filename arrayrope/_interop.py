@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from . import _arrays, _positions
+from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _CPU, _CUDA, _CUDA_MANAGED = 1, 2, 13  # DLPack device types
@@ -24,19 +25,42 @@ def _framework(a):
 
 
 def _torch_bits(a):
-    """A torch bfloat16 tensor as uint16 bits: DLPack consumers such as NumPy lack bfloat16."""
+    """A torch bfloat16 tensor as int16 bits: DLPack consumers such as NumPy lack bfloat16 (and
+    torch.uint16 needs torch 2.3)."""
     torch = sys.modules["torch"]
     if a.dtype == torch.bfloat16:
-        return a.view(torch.uint16), True
+        return a.view(torch.int16), True
     return a, False
 
 
+def _bfloat16(name):
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise BackendUnavailableError(
+            f"{name} is bfloat16, which needs ml_dtypes: pip install 'arrayrope[bfloat16]'"
+        ) from None
+    return ml_dtypes.bfloat16
+
+
+def native_positions(pos):
+    """``pos``, or a NumPy or CuPy view of it where it comes from another framework."""
+    if hasattr(pos, "__dlpack__") and not _arrays.family(pos):
+        return adopt("pos", pos)[0]
+    return pos
+
+
 def adopt(name, a):
-    """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy), and a function that returns a
-    result (NumPy or CuPy) as ``a``'s own type. Raises for what DLPack cannot carry."""
+    """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy), a function that returns a
+    result (NumPy or CuPy) as ``a``'s own type, and whether ``a`` is read-only. Raises for what
+    DLPack cannot carry."""
     if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
+    if framework == "torch" and a.requires_grad:
+        raise RopeTypeError(
+            f"{name} requires grad; arrayrope's result would not carry it: pass {name}.detach()"
+        )
     device_type = int(a.__dlpack_device__()[0])
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
     try:
@@ -61,27 +85,38 @@ def adopt(name, a):
         else:
             raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
     if bits:
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise BackendUnavailableError(
-                f"{name} is bfloat16, which needs ml_dtypes: pip install 'arrayrope[bfloat16]'"
-            ) from None
-        native = native.view(ml_dtypes.bfloat16)
+        native = native.view(_bfloat16(name))
     read_only = framework in ("jax", "jaxlib") or (
         isinstance(native, np.ndarray) and not native.flags.writeable
     )
-    return native, _restorer(framework), read_only
+    return native, restorer(framework), read_only
 
 
-def _restorer(framework):
+_restorers = {}
+
+
+def restorer(framework):
+    """The function that hands a result (NumPy or CuPy) back as ``framework``'s array."""
+    found = _restorers.get(framework)
+    if found is None:
+        found = _restorers[framework] = _make_restorer(framework)
+    return found
+
+
+def _make_restorer(framework):
     if framework == "torch":
         torch = sys.modules["torch"]
 
         def to_torch(result):
-            if result.dtype.name == "bfloat16":
-                return torch.from_dlpack(result.view(np.uint16)).view(torch.bfloat16)
-            return torch.from_dlpack(result)
+            bf16 = result.dtype.name == "bfloat16"
+            if bf16:
+                result = result.view(np.int16)
+            tensor = (
+                torch.from_numpy(result)
+                if isinstance(result, np.ndarray)
+                else torch.from_dlpack(result)
+            )
+            return tensor.view(torch.bfloat16) if bf16 else tensor
 
         return to_torch
     if framework in ("jax", "jaxlib"):
@@ -96,10 +131,59 @@ def _restorer(framework):
     return lambda result: result
 
 
+_fast = Bounded(64)
+
+
+def fast_adopter(kind):
+    """For a type whose CPU arrays convert to and from NumPy more cheaply than through DLPack
+    (torch tensors, JAX arrays), a function ``a -> (NumPy view, restorer)``, or None where that
+    array needs the general way (another device, bfloat16 without ml_dtypes, autograd). None
+    for every other type. Cached per type."""
+    found = _fast.get(kind, False)
+    if found is False:
+        found = _fast.put(kind, _make_fast_adopter(kind))
+    return found
+
+
+def _make_fast_adopter(kind):
+    framework = kind.__module__.split(".", 1)[0]
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        bfloat16 = torch.bfloat16
+        back = restorer("torch")
+        from_numpy = torch.from_numpy
+
+        def from_torch(t):
+            if not t.is_cpu or t.requires_grad:
+                return None
+            try:
+                if t.dtype is bfloat16:
+                    if "ml_dtypes" not in sys.modules:
+                        return None
+                    bits = t.view(torch.int16).numpy()
+                    return bits.view(sys.modules["ml_dtypes"].bfloat16), back
+                return t.numpy(), from_numpy
+            except (RuntimeError, TypeError):  # a tensor NumPy cannot view (conjugate bit, ...)
+                return None
+
+        return from_torch
+    if framework in ("jax", "jaxlib"):
+        jnp = sys.modules["jax"].numpy
+
+        def from_jax(a):
+            devices = a.devices()
+            if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+                return None
+            return np.asarray(a), jnp.asarray  # a read-only view of its buffer
+
+        return from_jax
+    return None
+
+
 def _host_positions(rope, pos, leads):
     """Positions that are not a Dask array, checked, as host values of shape P + (n_axes or 1,)
     and the highest."""
-    kind, values = _positions.resolve(pos, rope.n_axes)
+    kind, values = _positions.resolve(native_positions(pos), rope.n_axes)
     if kind == _positions.NONE:
         length = leads[0][-1] if leads[0] else 1
         return _positions.defaults(length), length - 1

@@ -19,16 +19,11 @@ import numpy as np
 from . import _arrays, _positions
 from ._arrays import CUPY, NUMPY
 from ._errors import RopeTypeError, RopeValueError
+from ._plan_rows import check_inverse, rows_plan
 from ._positions import ARRAY, INT, NONE
 from .backends import module as backend_module
 
 BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
-
-
-def check_inverse(inverse):
-    if isinstance(inverse, (bool, np.bool_)):
-        return bool(inverse)
-    raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
 
 
 def _pick_backend(backend, array_family):
@@ -110,8 +105,6 @@ def build(engine, xs, outs, kind, pos, backend):
         _positions.with_axes(pos, spec.n_axes, leads)
     general = GeneralPlan(engine, xs, outs, kind, backend, array_family)
     if backend == "numba":
-        from ._plan_rows import rows_plan
-
         rows = rows_plan(engine, xs, outs, kind, pos, general)
         if rows is not None:
             return rows

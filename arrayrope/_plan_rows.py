@@ -17,13 +17,19 @@ import numpy as np
 
 from . import _arrays, _positions
 from ._arrays import NUMPY
-from ._plan import check_inverse
+from ._errors import RopeTypeError
 from ._positions import ARRAY, INT, NONE
 from .backends import module as backend_module
 
 _INT64 = np.dtype(np.int64)
 _F16 = np.dtype(np.float16)
 FRESH, IN_PLACE, INTO_OUT = 0, 1, 2
+
+
+def check_inverse(inverse):
+    if isinstance(inverse, (bool, np.bool_)):
+        return bool(inverse)
+    raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
 
 
 def rows_plan(engine, xs, outs, kind, pos, general):

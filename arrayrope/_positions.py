@@ -24,9 +24,8 @@ _aranges = Bounded(1024)
 
 
 def resolve(pos, n_axes):
-    """(kind, value) of ``pos`` as the caller passed it; raises for what cannot be positions.
-
-    Arrays from other frameworks are adopted through DLPack (no copy)."""
+    """(kind, value) of ``pos`` as the caller passed it (arrays from other frameworks already
+    adopted, see ``_interop.native_positions``); raises for what cannot be positions."""
     if pos is None:
         if n_axes != 1:
             raise RopeValueError(
@@ -41,15 +40,10 @@ def resolve(pos, n_axes):
             )
         return INT, check_int(operator.index(pos))
     if not _arrays.family(pos):
-        if hasattr(pos, "__dlpack__"):
-            from ._interop import adopt
-
-            pos = adopt("pos", pos)[0]
-        else:
-            try:
-                pos = np.asarray(pos)
-            except (TypeError, ValueError):
-                raise RopeTypeError(f"pos must be positions (int or float), got {pos!r}") from None
+        try:
+            pos = np.asarray(pos)
+        except (TypeError, ValueError):
+            raise RopeTypeError(f"pos must be positions (int or float), got {pos!r}") from None
     if pos.dtype.kind not in "iuf":
         raise RopeTypeError(f"pos must hold integers or real numbers, got dtype {pos.dtype}")
     return ARRAY, pos

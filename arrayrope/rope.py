@@ -1,8 +1,5 @@
 """RoPE: one rotary-embedding configuration, its frequencies and its cos/sin caches."""
 
-import dataclasses
-import math
-import operator
 import threading
 
 import numpy as np
@@ -10,90 +7,18 @@ import numpy as np
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import (
+    Spec,
+    axes_arg,
+    base_arg,
+    dims_arg,
+    frozen,
+    int_arg,
+    segments,
+    style_arg,
+)
 from ._tables import CosSinTables
 from .scaling import ScalingRule, plain_inv_freq
-
-STYLES = ("interleaved", "half")
-
-
-def _int_arg(name, value, *, minimum):
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise RopeTypeError(f"{name} must be an int, got {value!r}") from None
-    if number < minimum:
-        raise RopeValueError(f"{name} must be >= {minimum}, got {number}")
-    return number
-
-
-def _dims_arg(head_dim, rotary_dim):
-    """(head_dim, rotary_dim), checked: both even, rotary_dim <= head_dim (default head_dim)."""
-    head_dim = _int_arg("head_dim", head_dim, minimum=2)
-    if head_dim % 2:
-        raise RopeValueError(f"head_dim must be even, got {head_dim}")
-    rotary_dim = _int_arg("rotary_dim", head_dim if rotary_dim is None else rotary_dim, minimum=2)
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise RopeValueError(
-            f"rotary_dim must be even and <= head_dim ({head_dim}), got {rotary_dim}"
-        )
-    return head_dim, rotary_dim
-
-
-def _base_arg(base):
-    try:
-        value = float(base)
-    except (TypeError, ValueError):
-        raise RopeTypeError(f"base must be a real number, got {base!r}") from None
-    if not (math.isfinite(value) and value > 0.0):
-        raise RopeValueError(f"base must be finite and > 0, got {base!r}")
-    return value
-
-
-def _style_arg(style):
-    if style not in STYLES:
-        raise RopeValueError(f"style must be 'interleaved' or 'half', got {style!r}")
-    return style
-
-
-def _axes_arg(name, values):
-    try:
-        values = tuple(operator.index(v) for v in values)
-    except TypeError:
-        raise RopeTypeError(f"{name} must be a sequence of ints, got {values!r}") from None
-    if not values:
-        raise RopeValueError(f"{name} must name at least one axis, got ()")
-    return values
-
-
-def _segments(pair_axis):
-    """Runs of consecutive pairs on one position axis, as int64 rows (first, stop, axis)."""
-    starts = [0] + [j for j in range(1, pair_axis.size) if pair_axis[j] != pair_axis[j - 1]]
-    stops = starts[1:] + [pair_axis.size]
-    return np.array([(a, b, pair_axis[a]) for a, b in zip(starts, stops)], dtype=np.int64)
-
-
-def _frozen(a):
-    a = np.array(a, dtype=np.int64)
-    a.flags.writeable = False
-    return a
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Spec:
-    """What the kernels need of a RoPE, fixed when it is made. (Compared and hashed by
-    identity: a plan cache looks one up per call.)"""
-
-    head_dim: int
-    rotary_dim: int
-    style: str
-    half_style: bool  # pairs (x[i], x[i + rotary_dim/2]); else (x[2i], x[2i+1])
-    n_axes: int
-    pair_axis: np.ndarray  # int64 (rotary_dim // 2,): the position axis of each pair
-    segments: np.ndarray  # int64 (runs, 3): runs of pairs on one axis, (first, stop, axis)
-    dynamic: bool  # frequencies depend on the current length (DynamicNTK, LongRoPE)
-
 
 _restored = Bounded(64)
 
@@ -170,12 +95,12 @@ class RoPE:
         max_positions=None,
         scaling=None,
     ):
-        head_dim, rotary_dim = _dims_arg(head_dim, rotary_dim)
-        base = _base_arg(base)
+        head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
+        base = base_arg(base)
         self._setup(
             head_dim,
             rotary_dim,
-            _style_arg(style),
+            style_arg(style),
             base,
             max_positions,
             scaling,
@@ -188,7 +113,7 @@ class RoPE:
         that are concatenated into inv_freq; ``pair_axis`` gives each pair's position axis."""
         self.base = base
         if max_positions is not None:
-            max_positions = _int_arg("max_positions", max_positions, minimum=1)
+            max_positions = int_arg("max_positions", max_positions, minimum=1)
         if scaling is not None:
             if not isinstance(scaling, ScalingRule):
                 raise RopeTypeError(
@@ -209,8 +134,8 @@ class RoPE:
             style=style,
             half_style=style == "half",
             n_axes=self.n_axes,
-            pair_axis=_frozen(pair_axis),
-            segments=_frozen(_segments(pair_axis)),
+            pair_axis=frozen(pair_axis),
+            segments=frozen(segments(pair_axis)),
             dynamic=scaling is not None and scaling.dynamic,
         )
         # A long-running length-dependent rule must not pile up tables: one set per length.
@@ -260,18 +185,18 @@ class RoPE:
         ``pos`` for rotate then has a trailing axis of size len(dims) (for one axis, plain
         positions: that is plain RoPE, bit for bit). Real-valued coordinates are exact.
         """
-        dims = _axes_arg("dims", dims)
+        dims = axes_arg("dims", dims)
         for i, n in enumerate(dims):
             if n < 2 or n % 2:
                 raise RopeValueError(f"dims[{i}] must be even and >= 2, got {n}")
-        base = _base_arg(base)
+        base = base_arg(base)
         head_dim = sum(dims)
         rope = cls.__new__(cls)
         pair_axis = np.repeat(np.arange(len(dims), dtype=np.int64), [n // 2 for n in dims])
         rope._setup(
             head_dim,
             head_dim,
-            _style_arg(style),
+            style_arg(style),
             base,
             max_positions,
             scaling,
@@ -306,8 +231,8 @@ class RoPE:
             "interleaved" (Qwen3-VL): pair j takes axis a = j mod n_axes (a >= 1) while
             j < n_axes * sections[a]; axis 0 takes every other pair.
         """
-        head_dim, rotary_dim = _dims_arg(head_dim, rotary_dim)
-        sections = _axes_arg("sections", sections)
+        head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
+        sections = axes_arg("sections", sections)
         if any(n < 0 for n in sections):
             raise RopeValueError(f"sections must be >= 0 pairs each, got {sections}")
         pairs = rotary_dim // 2
@@ -332,12 +257,12 @@ class RoPE:
                 )
         else:
             raise RopeValueError(f"assign must be 'contiguous' or 'interleaved', got {assign!r}")
-        base = _base_arg(base)
+        base = base_arg(base)
         rope = cls.__new__(cls)
         rope._setup(
             head_dim,
             rotary_dim,
-            _style_arg(style),
+            style_arg(style),
             base,
             max_positions,
             scaling,

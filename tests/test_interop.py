@@ -23,6 +23,32 @@ class ReadOnlyProducer:
         return self.array.__dlpack_device__()
 
 
+class BareProducer:
+    """Nothing but the DLPack protocol: no shape, no dtype."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_bare_dlpack_producer_is_accepted(rng):
+    x = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    expected = ar.rotate(x, 5)
+    np.testing.assert_array_equal(ar.rotate(BareProducer(x), 5), expected)
+    np.testing.assert_array_equal(ar.RoPE(8).rotate(BareProducer(x), 5), expected)
+    q_rot, k_rot = ar.rotate_qk(BareProducer(x), BareProducer(k), 5)
+    np.testing.assert_array_equal(q_rot, expected)
+    np.testing.assert_array_equal(k_rot, ar.rotate(k, 5))
+    cos, sin = ar.RoPE(8).cos_sin(np.arange(3), like=BareProducer(np.zeros(1)))
+    assert cos.dtype == np.float64 and cos.shape == (3, 4)
+
+
 def test_read_only_producer_is_read_not_written():
     x = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
     producer = ReadOnlyProducer(x.copy())
@@ -94,10 +120,33 @@ def test_torch_result_type_for_mixed_and_rope_methods(torch):
     assert isinstance(q, torch.Tensor) and isinstance(k, np.ndarray)
 
 
+def test_torch_tensors_on_the_cpu_share_numpy_memory(torch, rng):
+    # decode-sized tensors go the NumPy way (a view in, a tensor over the result out)
+    x = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    t = torch.from_numpy(x.copy())
+    k = torch.from_numpy(x[:, :2].copy())
+    y = ar.rotate(t, 9)
+    assert isinstance(y, torch.Tensor)
+    np.testing.assert_array_equal(y.numpy(), ar.rotate(x, 9))
+    q_rot, k_rot = ar.rotate_qk(t, k, 9)
+    np.testing.assert_array_equal(q_rot.numpy(), y.numpy())
+    np.testing.assert_array_equal(k_rot.numpy(), ar.rotate(x[:, :2], 9))
+    pointer = t.data_ptr()
+    assert ar.rotate(t, 9, out=t) is t and t.data_ptr() == pointer
+    np.testing.assert_array_equal(t.numpy(), y.numpy())
+
+
+def test_cos_sin_like_a_torch_tensor(torch):
+    rope = ar.RoPE(8)
+    cos, sin = rope.cos_sin(torch.arange(5), like=torch.zeros(1, dtype=torch.float64))
+    assert isinstance(cos, torch.Tensor) and cos.dtype == torch.float64 and cos.shape == (5, 4)
+    np.testing.assert_array_equal(sin.numpy(), rope.cos_sin(np.arange(5), like=np.zeros(1))[1])
+
+
 def test_torch_errors(torch):
     with pytest.raises(RopeTypeError, match="x must be float16, bfloat16, float32 or float64"):
         ar.rotate(torch.zeros(3, 8, dtype=torch.int32))
-    with pytest.raises(RopeTypeError, match="cannot be viewed through DLPack"):
+    with pytest.raises(RopeTypeError, match="requires grad"):
         ar.rotate(torch.zeros(3, 8, requires_grad=True))
 
 
