@@ -109,11 +109,11 @@ def check_values(values):
 
 
 def defaults(length):
-    """0..length-1 as a read-only (length, 1) int64 array, kept."""
+    """0..length-1 as a (length, 1) int64 array, kept. (Writable, though no one writes it: a
+    read-only array is another Numba type, and every kernel would compile twice.)"""
     values = _aranges.get(length)
     if values is None:
         values = np.arange(length, dtype=np.int64).reshape(length, 1)
-        values.flags.writeable = False
         _aranges.put(length, values)
     return values
 
