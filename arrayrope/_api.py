@@ -1,9 +1,12 @@
 """The module-level functions: ``rotate`` and ``rotate_qk`` on a RoPE shared per configuration."""
 
+from __future__ import annotations
+
 from . import _arrays
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
-from .rope import RoPE
+from .rope import Array, Positions, RoPE
+from .scaling import ScalingRule
 
 # The RoPEs the module-level functions share, by (head_dim, base, style, rotary_dim, scaling):
 # a decode step finds its RoPE with one dictionary lookup.
@@ -44,22 +47,44 @@ def _head_dim(name, x):
 
 
 def rotate(
-    x,
-    pos=None,
+    x: Array,
+    pos: Positions = None,
     *,
-    base=10000.0,
-    style="interleaved",
-    rotary_dim=None,
-    inverse=False,
-    out=None,
-    backend="auto",
-    scaling=None,
-    seq_len=None,
-):
-    """Rotate ``x`` (..., d) by rotary position embeddings; see :meth:`RoPE.rotate`.
+    base: float = 10000.0,
+    style: str = "interleaved",
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: Array | None = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+    scaling: ScalingRule | None = None,
+    seq_len: int | None = None,
+) -> Array:
+    """Rotate ``x`` by rotary position embeddings.
 
-    ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a RoPE of head_dim
-    ``x.shape[-1]``; calls with one configuration share one RoPE and its cache.
+    ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a :class:`RoPE` of head_dim
+    ``x.shape[-1]`` (see there); calls with one configuration share one RoPE and its cos/sin
+    cache. The other arguments are those of :meth:`RoPE.rotate`.
+
+    Parameters
+    ----------
+    x : array, shape (..., d)
+        float16, bfloat16, float32 or float64; NumPy, CuPy, Dask or any DLPack producer.
+    pos : int, float, array or None
+        Positions broadcastable to ``x.shape[:-1]``; None is 0..T-1 along axis -2.
+    style : {"interleaved", "half"}
+        Pairs (x[2i], x[2i+1]) or (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
+
+    Returns
+    -------
+    array of ``x``'s type, shape and dtype (``out`` where given).
+
+    Examples
+    --------
+    >>> import numpy as np, arrayrope as ar
+    >>> q = np.ones((1, 2, 3, 4), np.float32)            # (B, H, T, d)
+    >>> ar.rotate(q, style="half")[0, 0, 1]               # position 1
+    array([-0.30116868,  0.9899502 ,  1.3817732 ,  1.0099498 ], dtype=float32)
     """
     try:
         rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
@@ -67,28 +92,40 @@ def rotate(
         rope = None
     if rope is None:
         rope = shared_rope(_head_dim("x", x), base, style, rotary_dim, scaling)
+    if head_axis is not None:
+        return rope.rotate(x, pos, inverse=inverse, out=out, head_axis=head_axis,
+                           backend=backend, seq_len=seq_len)  # fmt: skip
     return rope._engine.rotate(x, pos, inverse, out, backend, seq_len)
 
 
 def rotate_qk(
-    q,
-    k,
-    pos=None,
+    q: Array,
+    k: Array,
+    pos: Positions = None,
     *,
-    base=10000.0,
-    style="interleaved",
-    rotary_dim=None,
-    inverse=False,
-    out=None,
-    backend="auto",
-    scaling=None,
-    seq_len=None,
-):
-    """Rotate queries and keys in one pass; returns (q_rot, k_rot). See :meth:`RoPE.rotate_qk`."""
+    base: float = 10000.0,
+    style: str = "interleaved",
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: tuple[Array, Array] | None = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+    scaling: ScalingRule | None = None,
+    seq_len: int | None = None,
+) -> tuple[Array, Array]:
+    """Rotate queries and keys by the same positions in one launch; returns (q_rot, k_rot).
+
+    q (..., Hq, T, d) and k (..., Hk, T, d) may differ in head count and may be views into one
+    fused QKV buffer. The configuration is :func:`rotate`'s, the rest
+    :meth:`RoPE.rotate_qk`'s.
+    """
     try:
         rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):
         rope = None
     if rope is None:
         rope = shared_rope(_head_dim("q", q), base, style, rotary_dim, scaling)
+    if head_axis is not None:
+        return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, head_axis=head_axis,
+                              backend=backend, seq_len=seq_len)  # fmt: skip
     return rope._engine.rotate_qk(q, k, pos, inverse, out, backend, seq_len)

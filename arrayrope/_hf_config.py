@@ -42,9 +42,38 @@ HALF_FAMILIES = frozenset(
         "smollm3",
     }
 )
-INTERLEAVED_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "gptj", "cohere", "cohere2"})
+INTERLEAVED_FAMILIES = frozenset(
+    {"deepseek_v2", "deepseek_v3", "gptj", "codegen", "cohere", "cohere2"}
+)
 # Families whose Hugging Face config class defaults rope_theta to 10000 when the file omits it.
-THETA_10000_FAMILIES = frozenset({"llama", "mistral", "mixtral", "gptj", "phi", "gpt_neox"})
+THETA_10000_FAMILIES = frozenset(
+    {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox"}
+)
+# Older names of the fields read here (GPT-2 lineage: GPT-J, CodeGen), as transformers' config
+# classes map them (attribute_map).
+_FIELD_ALIASES = {
+    "hidden_size": ("n_embd", "d_model"),
+    "num_attention_heads": ("n_head",),
+    "max_position_embeddings": ("n_positions",),
+}
+# Every field this module reads from a config: read from an object by attribute, so that its
+# class's aliases and defaults apply.
+_FIELDS = (
+    "model_type",
+    "rope_theta",
+    "rotary_emb_base",
+    "rope_scaling",
+    "rope_parameters",
+    "head_dim",
+    "qk_rope_head_dim",
+    "hidden_size",
+    "num_attention_heads",
+    "partial_rotary_factor",
+    "rotary_pct",
+    "rotary_dim",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+)
 
 _COMMON_KEYS = {
     "rope_type",
@@ -75,24 +104,51 @@ _ALIASES = {"su": "longrope", "mrope": "default"}
 
 
 def _as_dict(config):
+    """The config's fields as a dict: from a dict, a config.json (or a model folder holding
+    one), or an object (a transformers config: its fields read through its attributes)."""
     if isinstance(config, dict):
-        return dict(config)
+        return _canonical(dict(config))
     if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
         try:
-            with open(config) as f:
-                return json.load(f)
+            with open(path) as f:
+                return _canonical(json.load(f))
         except OSError as error:
-            raise RopeValueError(f"config path {str(config)!r} cannot be read: {error}") from None
+            raise RopeValueError(f"config path {str(path)!r} cannot be read: {error}") from None
         except json.JSONDecodeError as error:
-            raise RopeValueError(f"config file {str(config)!r} is not JSON: {error}") from None
-    if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
-    if hasattr(config, "__dict__"):
-        return {k: v for k, v in vars(config).items() if not k.startswith("_")}
+            raise RopeValueError(f"config file {str(path)!r} is not JSON: {error}") from None
+    if hasattr(config, "to_dict") or hasattr(config, "__dict__"):
+        fields = dict(config.to_dict()) if hasattr(config, "to_dict") else {}
+        if not fields:
+            fields = {k: v for k, v in vars(config).items() if not k.startswith("_")}
+        for name in _FIELDS:
+            try:
+                value = getattr(config, name)
+            except AttributeError:
+                continue
+            if value is not None:
+                fields[name] = value
+        return _canonical(fields)
     raise RopeTypeError(
-        f"config must be a dict, a path to config.json or an object with attributes, got "
-        f"{type(config).__name__}"
+        f"config must be a dict, a path to config.json or a model folder, or an object with "
+        f"attributes, got {type(config).__name__}"
     )
+
+
+def _canonical(cfg):
+    """``cfg`` with the current names of aliased fields; two names that disagree are an
+    error."""
+    for name, aliases in _FIELD_ALIASES.items():
+        for alias in aliases:
+            value = cfg.get(alias)
+            if value is None:
+                continue
+            if cfg.get(name) is not None and cfg[name] != value:
+                raise RopeValueError(
+                    f"config has {name}={cfg[name]!r} and {alias}={value!r}, which disagree"
+                )
+            cfg[name] = value
+    return cfg
 
 
 def _need(cfg, key, where="config"):
@@ -123,7 +179,21 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
     if unknown:
         raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
 
-    theta = params.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base")))
+    thetas = {
+        name: value
+        for name, value in (
+            ("rope_parameters' rope_theta", params.get("rope_theta")),
+            ("rope_theta", cfg.get("rope_theta")),
+            ("rotary_emb_base", cfg.get("rotary_emb_base")),
+        )
+        if value is not None
+    }
+    if len(set(thetas.values())) > 1:
+        raise RopeValueError(
+            "config gives the RoPE base more than once, with different values: "
+            + ", ".join(f"{name}={value!r}" for name, value in thetas.items())
+        )
+    theta = next(iter(thetas.values()), None)
     if theta is None:
         if model_type not in THETA_10000_FAMILIES:
             raise RopeValueError(
@@ -143,16 +213,27 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
             )
         head_dim = hidden // heads
     partial = params.get(
-        "partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0))
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct"))
     )
-    if not (0 < float(partial) <= 1):
-        raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
-    rotary_dim = int(head_dim * float(partial))  # truncation, as transformers does
-    if rotary_dim % 2:
-        raise RopeValueError(
-            f"partial_rotary_factor {partial} of head_dim {head_dim} gives an odd rotary_dim "
-            f"({rotary_dim})"
-        )
+    if partial is not None:
+        if not (0 < float(partial) <= 1):
+            raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
+        rotary_dim = int(head_dim * float(partial))  # truncation, as transformers does
+        if rotary_dim % 2:
+            raise RopeValueError(
+                f"partial_rotary_factor {partial} of head_dim {head_dim} gives an odd "
+                f"rotary_dim ({rotary_dim})"
+            )
+    else:
+        rotary_dim = head_dim
+    absolute = cfg.get("rotary_dim")  # GPT-J, CodeGen: the rotated features themselves
+    if absolute is not None:
+        if partial is not None and absolute != rotary_dim:
+            raise RopeValueError(
+                f"config has rotary_dim={absolute} and a partial rotary factor {partial} of "
+                f"head_dim {head_dim} ({rotary_dim} features), which disagree"
+            )
+        rotary_dim = absolute
 
     if style is None:
         if model_type in HALF_FAMILIES:

@@ -67,6 +67,15 @@ def with_axes(values, n_axes, leads):
         raise RopeValueError(
             f"pos must end in an axis of size n_axes ({n_axes}), got shape {values.shape}"
         )
+    shape = values.shape[:-1]
+    for lead in leads:
+        if 1 < len(shape) < len(lead) and 1 not in shape:
+            raise RopeValueError(
+                f"pos of shape {shape} has fewer axes than the leading shape {lead}, and would "
+                f"broadcast as {(1,) * (len(lead) - len(shape)) + shape}. For (B, T) "
+                "position_ids give head_axis (1 for (B, H, T, d), 2 for (B, T, H, d)), or an "
+                "axis of size 1 where pos broadcasts"
+            )
     if not all(broadcasts(values.shape[:-1], lead) for lead in leads):
         shown = values.shape if n_axes > 1 else values.shape[:-1]
         raise RopeValueError(

@@ -1,9 +1,13 @@
 """RoPE: one rotary-embedding configuration, its frequencies and its cos/sin caches."""
 
+from __future__ import annotations
+
 import threading
+from typing import Any, TypeVar
 
 import numpy as np
 
+from . import _arrays, _interop
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._errors import RopeTypeError, RopeValueError
@@ -20,7 +24,62 @@ from ._spec import (
 from ._tables import CosSinTables
 from .scaling import ScalingRule, plain_inv_freq
 
+Array = TypeVar("Array")  # a NumPy, CuPy, Dask or DLPack array: results have its type
+Positions = Any  # an int, a float, None, or an array of them (NumPy, CuPy, DLPack, Dask)
+# What a frequency set's tables multiply into cos and sin: the attention scaling (rotate), one
+# (shift: a pure rotation), or its inverse (unrotate: the exact undo).
+_ROTATE, _SHIFT, _UNDO = "rotate", "shift", "undo"
+
 _restored = Bounded(64)
+
+
+def with_head_axis(pos, head_axis, x, n_axes):
+    """``pos`` with an axis of size 1 at ``x``'s axis ``head_axis`` (which it must lack)."""
+    shape = getattr(x, "shape", None)
+    if not isinstance(shape, tuple):
+        raise RopeTypeError(f"head_axis needs an x with a shape, got {_arrays.describe(x)}")
+    try:
+        axis = int(head_axis) if not isinstance(head_axis, bool) else None
+    except (TypeError, ValueError):
+        axis = None
+    lead = len(shape) - 1
+    if axis is None or not -len(shape) <= axis < lead:
+        raise RopeValueError(
+            f"head_axis must be an axis of x's leading shape {shape[:-1]} (0 to {lead - 1}, or "
+            f"negative from the end of x's shape), got {head_axis!r}"
+        )
+    axis %= len(shape)
+    if pos is None or not hasattr(pos, "ndim") and np.ndim(pos) == 0:
+        raise RopeValueError("head_axis applies to array positions, got " + repr(pos))
+    if not hasattr(pos, "ndim"):
+        pos = np.asarray(pos)
+    wanted = lead - 1 + (n_axes > 1)
+    if pos.ndim != wanted:
+        raise RopeValueError(
+            f"with head_axis={head_axis}, pos must have x's leading axes but that one "
+            f"({wanted} axes{' with the trailing n_axes' if n_axes > 1 else ''}), got shape "
+            f"{tuple(pos.shape)}"
+        )
+    return pos[(slice(None),) * axis + (None,)]
+
+
+def signed(delta):
+    """(|delta|, whether delta is negative) for a move of one sign."""
+    if isinstance(delta, (int, float, np.integer, np.floating)) and not isinstance(delta, bool):
+        return (-delta, True) if delta < 0 else (delta, False)
+    values = _interop.native_positions(delta)
+    if not _arrays.family(values):
+        values = np.asarray(values)
+    if values.dtype.kind not in "iuf" or values.size == 0:
+        return values, False
+    low, high = values.min(), values.max()
+    low, high = (float(v) for v in (low, high))
+    if low < 0 < high:
+        raise RopeValueError(
+            f"delta must move every row one way, got moves from {low} to {high}: shift the "
+            "forward and backward rows in two calls"
+        )
+    return (-values, True) if low < 0 else (values, False)
 
 
 def _restore(config):
@@ -55,19 +114,24 @@ class FreqSet:
 class RoPE:
     """A configured rotary position embedding that owns its cos/sin cache.
 
+    RoPE (Su et al., RoFormer, 2021) turns pair i of every query and key row at position m by
+    the angle ``m * theta_i``, ``theta_i = base ** (-2 i / rotary_dim)``. Attention scores then
+    depend on positions only through their difference.
+
     Parameters
     ----------
     head_dim : int
         Features per head, d (even). ``x.shape[-1]`` must equal it.
     base : float
-        The frequency base: pair i turns by ``theta_i = base ** (-2 i / rotary_dim)`` per position.
+        The frequency base (``rope_theta`` in Hugging Face configs).
     style : {"interleaved", "half"}
-        "interleaved" rotates pairs (x[2i], x[2i+1]): the block-diagonal matrix of RoFormer's
-        Eq. 15, GPT-J, Meta's original Llama code. "half" rotates pairs (x[i], x[i + rotary_dim/2]):
-        GPT-NeoX and Hugging Face Llama's ``rotate_half``.
+        The pair layout. "interleaved" rotates pairs (x[2i], x[2i+1]): the block-diagonal matrix
+        of RoFormer's Eq. 15, GPT-J, Meta's original Llama code, DeepSeek-V2/V3. "half" rotates
+        pairs (x[i], x[i + rotary_dim/2]): GPT-NeoX and Hugging Face's ``rotate_half`` (Llama,
+        Mistral, Qwen, Phi, Gemma).
     rotary_dim : int, optional
         Rotate only the first ``rotary_dim`` features (even, <= head_dim; default head_dim). The
-        rest pass through bit-identical (partial rotary, as GPT-NeoX and Phi-2 use).
+        rest pass through bit-identical (partial rotary: GPT-NeoX, Phi-2).
     max_positions : int, optional
         Build the cache for positions 0..max_positions-1 at once, and never grow it. By default
         the cache grows geometrically up to 32 MiB of tables. Positions past the cache are
@@ -77,24 +141,26 @@ class RoPE:
 
     Attributes
     ----------
-    inv_freq : float64 ndarray, shape (rotary_dim // 2,)
-        theta_i of every pair (for length-dependent scaling, the frequencies at short lengths).
-    attention_scaling : float
-        The factor multiplied into cos and sin (1.0 without scaling).
+    head_dim, rotary_dim, style, base, max_positions, scaling : as given
     n_axes : int
-        Position components per token (1 here; see :meth:`axial`, :meth:`sectioned`).
+        Position components per token: 1, or the axes of :meth:`axial` and :meth:`sectioned`.
+
+    Raises
+    ------
+    RopeValueError, RopeTypeError
+        An argument out of range or of the wrong type; the message names it.
     """
 
     def __init__(
         self,
-        head_dim,
+        head_dim: int,
         *,
-        base=10000.0,
-        style="interleaved",
-        rotary_dim=None,
-        max_positions=None,
-        scaling=None,
-    ):
+        base: float = 10000.0,
+        style: str = "interleaved",
+        rotary_dim: int | None = None,
+        max_positions: int | None = None,
+        scaling: ScalingRule | None = None,
+    ) -> None:
         head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
         base = base_arg(base)
         self._setup(
@@ -143,10 +209,19 @@ class RoPE:
         self._lock = threading.Lock()
         self._default = self._freq_set(None)
         self._engine = Engine(self._spec, self._freq_set, self)
+        self._engines = {_ROTATE: self._engine}
 
-    def _freq_set(self, seq_len):
+    def _engine_for(self, mode):
+        """The engine whose tables carry ``mode``'s scale (see _SHIFT, _UNDO)."""
+        engine = self._engines.get(mode)
+        if engine is None:
+            engine = Engine(self._spec, lambda seq_len: self._freq_set(seq_len, mode), self)
+            engine = self._engines.setdefault(mode, engine)
+        return engine
+
+    def _freq_set(self, seq_len, mode=_ROTATE):
         """The frequency set for a current sequence length (None: the short-length set)."""
-        key = None if self.scaling is None else self.scaling.select(seq_len)
+        key = (None if self.scaling is None else self.scaling.select(seq_len), mode)
         found = self._sets.get(key)
         if found is not None:
             return found
@@ -157,7 +232,8 @@ class RoPE:
                     inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in self._blocks])
                     scale = 1.0
                 else:
-                    inv_freq, scale = self.scaling.frequencies(self._blocks, key)
+                    inv_freq, scale = self.scaling.frequencies(self._blocks, key[0])
+                scale = {_ROTATE: scale, _SHIFT: 1.0, _UNDO: 1.0 / scale}[mode]
                 found = self._sets.put(
                     key,
                     FreqSet(
@@ -313,11 +389,15 @@ class RoPE:
         return _restore, (config,)
 
     @property
-    def inv_freq(self):
+    def inv_freq(self) -> np.ndarray:
+        """theta_i of every pair, float64, shape (rotary_dim // 2,): the frequencies a scaling
+        rule yields (for a length-dependent rule, those at short lengths). A copy."""
         return self._default.inv_freq.copy()
 
     @property
-    def attention_scaling(self):
+    def attention_scaling(self) -> float:
+        """The factor a scaling rule multiplies into cos and sin (YaRN, LongRoPE), 1.0
+        otherwise: :meth:`rotate` returns ``attention_scaling * R(m) x``."""
         return self._default.attention_scaling
 
     def __repr__(self):
@@ -327,64 +407,186 @@ class RoPE:
             f"style={self.style!r}, n_axes={self.n_axes}{extra})"
         )
 
-    def rotate(self, x, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
-        """Rotate ``x`` by its positions.
+    def rotate(
+        self,
+        x: Array,
+        pos: Positions = None,
+        *,
+        inverse: bool = False,
+        out: Array | None = None,
+        head_axis: int | None = None,
+        backend: str = "auto",
+        seq_len: int | None = None,
+    ) -> Array:
+        """Rotate ``x`` by its positions: ``attention_scaling * R(m) x`` for each row.
 
         Parameters
         ----------
-        x : float array, shape (..., head_dim)
-            NumPy or CuPy; float16, bfloat16 (ml_dtypes), float32 or float64.
-        pos : int or float array, int, float, or None
-            Positions broadcastable to ``x.shape[:-1]`` (with a trailing axis of size n_axes for
-            multi-axis RoPE). (B, H, T, d) takes (T,) or (B, 1, T); (B, T, H, d) takes (T, 1) or
-            (B, T, 1); packed (N, H, d) takes (N, 1). A scalar puts every row there. None means
-            0..T-1 along axis -2. Integer positions read the cache; real-valued positions get
-            exact float64 angles.
+        x : array, shape (..., head_dim)
+            float16, bfloat16 (ml_dtypes), float32 or float64: NumPy, CuPy, Dask, or any DLPack
+            producer (a torch tensor, a JAX array). The leading axes may have any strides.
+        pos : int, float, array or None
+            Positions broadcastable to ``x.shape[:-1]`` (with a trailing axis of size n_axes
+            for a multi-axis RoPE), integer or real, non-negative. (B, H, T, d) takes (T,) or
+            (B, 1, T); (B, T, H, d) takes (T, 1) or (B, T, 1); packed (N, H, d) takes (N, 1);
+            Hugging Face's (B, T) ``position_ids`` take ``head_axis``. A scalar puts every row
+            there; None means 0..T-1 along axis -2 (position 0 for a 1-D x). Integer positions
+            read the cache; real-valued ones get exact float64 angles.
         inverse : bool
-            Rotate by -angle: the transpose, the exact undo (up to attention_scaling**2 when a
-            scaling rule sets one) and the backward pass.
+            Rotate by -angle and scale as forward: ``attention_scaling * R(-m) x``, the
+            transpose of the forward map, which is its backward pass. Without a scaling rule that
+            sets attention_scaling it is also the exact undo; :meth:`unrotate` is the undo for
+            every rule.
         out : array like ``x``, optional
-            Where to write the result; ``out=x`` rotates in place. Without it ``x`` is untouched.
+            Where to write the result (the caller's type, shape and dtype); ``out=x`` rotates in
+            place. Without it ``x`` is never written.
+        head_axis : int, optional
+            The axis of ``x`` that ``pos`` lacks, where ``pos`` gets an axis of size 1, as
+            Hugging Face's ``unsqueeze_dim``: 1 for (B, H, T, d) and 2 for (B, T, H, d) with
+            (B, T) positions. ``pos`` must then have every leading axis of ``x`` but that one.
         backend : {"auto", "numba", "numpy", "cupy", "numba-cuda"}
+            "auto" takes Numba for NumPy arrays and "cupy" for CuPy arrays; "numpy" is the
+            readable array-operations reference, in the array's own namespace.
         seq_len : int, optional
-            The current length for length-dependent scaling rules (default: max(pos) + 1).
+            The current length for a length-dependent scaling rule (DynamicNTK, LongRoPE); by
+            default max(pos) + 1. Other rules take none.
 
         Returns
         -------
-        array, the type, shape and dtype of ``x``.
+        array
+            ``out``, or a new array of ``x``'s type, shape and dtype. Arithmetic is float32
+            (float64 for float64 x); half types are rounded once, at the store.
 
         Raises
         ------
         RopeValueError, RopeTypeError
-            Bad input; ``x`` and ``out`` are left untouched.
+            Bad input, named in the message; ``x`` and ``out`` are left untouched.
         BackendUnavailableError
             The backend needs a package or device this process lacks.
         """
+        if head_axis is not None:
+            pos = with_head_axis(pos, head_axis, x, self.n_axes)
         return self._engine.rotate(x, pos, inverse, out, backend, seq_len)
 
-    def rotate_qk(self, q, k, pos=None, *, inverse=False, out=None, backend="auto", seq_len=None):
-        """Rotate queries and keys by the same positions in one pass.
+    def rotate_qk(
+        self,
+        q: Array,
+        k: Array,
+        pos: Positions = None,
+        *,
+        inverse: bool = False,
+        out: tuple[Array, Array] | None = None,
+        head_axis: int | None = None,
+        backend: str = "auto",
+        seq_len: int | None = None,
+    ) -> tuple[Array, Array]:
+        """Rotate queries and keys by the same positions, in one launch.
 
-        ``q`` (..., Hq, T, d) and ``k`` (..., Hk, T, d) may differ in head count (grouped-query
-        attention) and may be strided views into one fused QKV buffer; ``pos`` must broadcast
-        against both leading shapes; None gives each its own 0..T-1 along its axis -2. ``out``
-        is None or a pair (q_out, k_out). Returns (q_rot, k_rot). Other parameters as in
-        :meth:`rotate`.
+        Parameters
+        ----------
+        q, k : arrays, shape (..., Hq, T, d) and (..., Hk, T, d)
+            One dtype and array kind. They may differ in head count (grouped-query attention)
+            and may be strided views into one fused QKV buffer.
+        pos : as in :meth:`rotate`
+            Broadcastable to both leading shapes; None gives each its own 0..T-1 along its
+            axis -2.
+        out : (q_out, k_out), optional
+            Where to write; ``out=(q, k)`` rotates both in place.
+        inverse, head_axis, backend, seq_len : as in :meth:`rotate`
+
+        Returns
+        -------
+        (q_rot, k_rot)
+
+        Raises
+        ------
+        RopeValueError, RopeTypeError
+            As :meth:`rotate`; nothing is written unless both are.
         """
+        if head_axis is not None:
+            pos = with_head_axis(pos, head_axis, q, self.n_axes)
         return self._engine.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
 
-    def cos_sin(self, pos, like=None, *, seq_len=None):
+    def shift(
+        self,
+        x: Array,
+        delta: Positions,
+        *,
+        seq_len: int | None = None,
+        out: Array | None = None,
+        head_axis: int | None = None,
+        backend: str = "auto",
+    ) -> Array:
+        """Move rows that :meth:`rotate` already rotated by ``delta`` positions.
+
+        ``shift(rotate(k, m), delta)`` equals ``rotate(k, m + delta)`` for every scaling rule:
+        it turns each pair by ``delta * theta_i`` and scales by nothing, since the rotated rows
+        carry attention_scaling already. This is how a KV cache moves its keys (StreamingLLM-
+        style eviction) without keeping them unrotated.
+
+        Parameters
+        ----------
+        x : array, shape (..., head_dim)
+            Rows rotated by this RoPE.
+        delta : int, float or array
+            The move, broadcastable like ``pos`` in :meth:`rotate`; negative moves back. An
+            array's entries must share one sign.
+        seq_len : int, optional
+            For a length-dependent rule (DynamicNTK, LongRoPE): the length the rows were rotated
+            at, which picks their frequencies. Required there; other rules take none.
+        out, head_axis, backend : as in :meth:`rotate`
+
+        Returns
+        -------
+        array, as :meth:`rotate`.
+        """
+        if self._spec.dynamic and seq_len is None:
+            raise RopeValueError(
+                "shift needs seq_len for a length-dependent scaling rule: the length the rows "
+                "were rotated at, which picks their frequencies"
+            )
+        delta, backward = signed(delta)
+        if head_axis is not None:
+            delta = with_head_axis(delta, head_axis, x, self.n_axes)
+        return self._engine_for(_SHIFT).rotate(x, delta, backward, out, backend, seq_len)
+
+    def unrotate(
+        self,
+        x: Array,
+        pos: Positions = None,
+        *,
+        seq_len: int | None = None,
+        out: Array | None = None,
+        head_axis: int | None = None,
+        backend: str = "auto",
+    ) -> Array:
+        """The exact undo of :meth:`rotate`: ``unrotate(rotate(x, m), m)`` is ``x`` (to the
+        dtype's rounding) for every scaling rule, attention_scaling divided out.
+
+        Parameters are those of :meth:`rotate` (``seq_len`` as given to it, or max(pos) + 1).
+        """
+        if head_axis is not None:
+            pos = with_head_axis(pos, head_axis, x, self.n_axes)
+        return self._engine_for(_UNDO).rotate(x, pos, True, out, backend, seq_len)
+
+    def cos_sin(
+        self, pos: Positions, like: Any = None, *, seq_len: int | None = None
+    ) -> tuple[Any, Any]:
         """The cos and sin tables for ``pos``, attention scaling included.
 
         Parameters
         ----------
-        pos : int or float positions, shape P (P + (n_axes,) for multi-axis RoPE)
+        pos : int, float or array, shape P (P + (n_axes,) for a multi-axis RoPE)
         like : array, optional
-            Return on its device (NumPy or CuPy) with its table dtype: float64 for float64,
-            float32 otherwise (the default).
+            Return arrays of its kind (NumPy, CuPy, or its framework's through DLPack), on its
+            device, in its table dtype: float64 for float64, float32 otherwise (the default).
+        seq_len : int, optional
+            As in :meth:`rotate`.
 
         Returns
         -------
-        (cos, sin), each of shape P + (rotary_dim // 2,); pair j uses frequency ``inv_freq[j]``.
+        (cos, sin), each of shape P + (rotary_dim // 2,)
+            Pair j uses frequency ``inv_freq[j]`` (and, for a multi-axis RoPE, the position on
+            its own axis).
         """
         return self._engine.cos_sin(pos, like, seq_len)

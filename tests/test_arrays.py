@@ -17,6 +17,7 @@ def _raw(shape, dtype, strides, offset=0, size=4096):
 def test_family_of_arrays_and_other_objects():
     assert _arrays.family(np.zeros(2)) == NUMPY
     assert _arrays.family(np.zeros(2).view(np.memmap)) == NUMPY
+
     class Sub(np.ndarray):
         pass
 
