@@ -165,6 +165,8 @@ class Engine:
         names = ("x",) if len(xs) == 1 else ("q", "k")
         if any(_interop.is_dask(x) for x in xs):
             return _interop.rotate_dask(self.owner, xs, pos, inverse, outs, backend, seq_len)
+        if outs is None and _interop.requires_grad(xs):
+            return _interop.rotate_with_grad(self, xs, pos, inverse, backend, seq_len)
         natives, restores = [], []
         for name, x in zip(names, xs):
             if _arrays.family(x):

@@ -58,8 +58,9 @@ def adopt(name, a):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
     if framework == "torch" and a.requires_grad:
-        raise RopeTypeError(
-            f"{name} requires grad; arrayrope's result would not carry it: pass {name}.detach()"
+        raise RopeValueError(
+            f"{name} requires grad: it can be rotated into a new tensor (autograd then runs the "
+            "transpose backward), not written through out="
         )
     device_type = int(a.__dlpack_device__()[0])
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
@@ -129,6 +130,48 @@ def _make_restorer(framework):
 
         return to_jax
     return lambda result: result
+
+
+def requires_grad(xs):
+    """Whether any of ``xs`` is a torch tensor that autograd tracks."""
+    return any(_framework(x) == "torch" and getattr(x, "requires_grad", False) for x in xs)
+
+
+def rotate_with_grad(engine, xs, pos, inverse, backend, seq_len):
+    """torch tensors that require grad, rotated by arrayrope with autograd attached: the
+    backward pass of ``y = rotate(x)`` is ``rotate(grad, inverse=not inverse)``, the transpose,
+    scaling included."""
+    function = _autograd_function()
+    return tuple(
+        function.apply(x, engine, pos, inverse, backend, seq_len)
+        if getattr(x, "requires_grad", False)
+        else engine.run((x,), pos, inverse, None, backend, seq_len)[0]
+        for x in xs
+    )
+
+
+_functions = {}
+
+
+def _autograd_function():
+    found = _functions.get("torch")
+    if found is None:
+        torch = sys.modules["torch"]
+
+        class Rotate(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, engine, pos, inverse, backend, seq_len):
+                ctx.call = (engine, pos, inverse, backend, seq_len)
+                return engine.run((x.detach(),), pos, inverse, None, backend, seq_len)[0]
+
+            @staticmethod
+            def backward(ctx, grad):
+                engine, pos, inverse, backend, seq_len = ctx.call
+                back = engine.run((grad.contiguous(),), pos, not inverse, None, backend, seq_len)
+                return back[0], None, None, None, None, None
+
+        found = _functions["torch"] = Rotate
+    return found
 
 
 _fast = Bounded(64)

@@ -143,11 +143,29 @@ def test_cos_sin_like_a_torch_tensor(torch):
     np.testing.assert_array_equal(sin.numpy(), rope.cos_sin(np.arange(5), like=np.zeros(1))[1])
 
 
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_torch_autograd_runs_the_transpose_backward(torch, style):
+    from arrayrope.scaling import YaRN
+
+    rope = ar.RoPE(8, style=style, rotary_dim=6, scaling=YaRN(4.0, 16))
+    pos = torch.tensor([3, 40, 7])
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: rope.rotate(t, pos), (x,))
+    assert torch.autograd.gradcheck(lambda t: rope.rotate(t, pos, inverse=True), (x,))
+    k = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rope.rotate_qk(a, b, pos), (x, k))
+    y = ar.rotate(x, pos, style=style)  # the module-level function, and a value check
+    (y * y).sum().backward()
+    expected = 2 * ar.rotate(y.detach(), pos, style=style, inverse=True)
+    np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_torch_errors(torch):
     with pytest.raises(RopeTypeError, match="x must be float16, bfloat16, float32 or float64"):
         ar.rotate(torch.zeros(3, 8, dtype=torch.int32))
-    with pytest.raises(RopeTypeError, match="requires grad"):
-        ar.rotate(torch.zeros(3, 8, requires_grad=True))
+    leaf = torch.zeros(3, 8, requires_grad=True)
+    with pytest.raises(RopeValueError, match="requires grad"):
+        ar.rotate(leaf, out=leaf)
 
 
 def test_no_framework_is_imported_for_numpy_calls():
