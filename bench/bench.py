@@ -10,15 +10,19 @@ cache-load time is reported separately, as is import time. "of streaming copy" i
 against a stricter ceiling, a threaded copy with streaming stores (x86-64 only), which writes
 without first reading each line and on some machines runs at twice np.copyto's speed.
 
-    python bench/bench.py            # the full table
-    python bench/bench.py --quick    # smaller shapes, fewer repeats
-    python bench/bench.py --no-dask  # without the Dask cluster row
+    python bench/bench.py                              # the full tables
+    python bench/bench.py --write docs/performance.md  # and the results file with its plots
+    python bench/bench.py --quick                      # smaller shapes, fewer repeats
+    python bench/bench.py --no-dask                    # without the Dask cluster row
+
+It also times the same rotation written in NumPy, PyTorch (eager, torch.compile) and JAX
+(jax.jit) where those are installed (bench/frameworks.py), and measures float32 accuracy
+against position.
 """
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -27,6 +31,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 
 def median_time(fn, repeats, warmup=2):
@@ -222,6 +227,45 @@ def multi_axis_rows(repeats):
     return rows
 
 
+def size_sweep(dtypes, repeats, lengths=(16, 64, 256, 1024, 4096)):
+    """{dtype: [(MiB, GB/s, copy GB/s)]} of ``rotate out=`` on (1, 32, T, 128), half style,
+    each against the fastest copy of the same bytes in the same run."""
+    from numba import njit, prange
+
+    import arrayrope as ar
+
+    @njit(parallel=True, cache=True)
+    def threaded_copy(src, dst):
+        for i in prange(src.size):
+            dst[i] = src[i]
+
+    rope = ar.RoPE(128, style="half")
+    found = {}
+    for dtype in dtypes:
+        points = []
+        for length in lengths:
+            x = np.random.default_rng(0).standard_normal((1, 32, length, 128)).astype(dtype)
+            out = np.empty_like(x)
+            s, d = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+            ceilings = [lambda: np.copyto(out, x), lambda: threaded_copy(s, d)]
+            calls = max(1, (32 << 20) // x.nbytes)  # short calls are timed in batches
+
+            def batch(fn, calls=calls):
+                def run():
+                    for _ in range(calls):
+                        fn()
+
+                return run
+
+            t, ceiling, _, _ = paired(
+                batch(lambda: rope.rotate(x, out=out)), [batch(c) for c in ceilings], repeats
+            )
+            moved = 2 * x.nbytes * calls
+            points.append((x.nbytes / 2**20, moved / t / 1e9, moved / ceiling / 1e9))
+        found[np.dtype(dtype).name] = points
+    return found
+
+
 DECODE_CALLS = 500  # calls per batch
 
 
@@ -348,8 +392,12 @@ def main():
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--no-cpu", action="store_true", help="GPU rows only")
     parser.add_argument("--no-dask", action="store_true", help="skip the Dask cluster row")
+    parser.add_argument(
+        "--write", metavar="FILE.md", help="write the results file, and its plots beside it"
+    )
     args = parser.parse_args()
     import ml_dtypes
+    import report
 
     dtypes = [np.float32, np.float16, ml_dtypes.bfloat16]
     shapes = [(4, 32, 2048, 128)] if not args.quick else [(2, 16, 1024, 128)]
@@ -361,11 +409,11 @@ def main():
         first = cold_start(empty)  # compiles: an empty kernel cache
     cold_start()  # fills the project's own cache if it is empty
     import_s, first_call_s = cold_start()
-    print(
-        f"# arrayrope benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"numpy {np.__version__}"
-    )
+    date = time.strftime("%Y-%m-%d %H:%M")
+    info = report.machine()
+    print(f"# arrayrope benchmark, {date}")
+    for key, value in info.items():
+        print(f"{key}: {value}")
     print(
         f"cold start: import arrayrope {import_s * 1e3:.0f} ms; first call "
         f"{first_call_s * 1e3:.0f} ms from the disk cache ({first[1]:.1f} s when the cache was "
@@ -387,6 +435,22 @@ def main():
         rows = cpu_rows(shapes, dtypes, repeats)
         if not args.quick:
             rows += multi_axis_rows(repeats)
+        import frameworks
+
+        sweep = size_sweep(dtypes, max(3, repeats // 2))
+        print("\nthroughput against size, rotate out= (1, 32, T, 128), half style:")
+        for dtype, points in sweep.items():
+            for mib, gbs, copy in points:
+                print(f"  {dtype:9s} {mib:8.2f} MiB  {gbs:6.1f} GB/s  (copy {copy:6.1f} GB/s)")
+        against = frameworks.framework_rows(repeats=max(3, repeats // 2))
+        print("\nagainst other implementations (float32, half style), us per call:")
+        for shape, name, seconds in against:
+            value = "-" if seconds is None else f"{seconds * 1e6:10.1f}"
+            print(f"  {str(shape):18s} {name:40s} {value}")
+        accuracy = frameworks.accuracy_rows()
+        print("\nfloat32 max error against float64, in float32 ulps (arrayrope / float32 angles):")
+        for pos, ours, common, ulp in accuracy[::4]:
+            print(f"  position {pos:>10,}: {ours / ulp:6.2f} / {common / ulp:9.0f}")
     gpu = (
         gpu_rows(shapes + [(8, 32, 4096, 128)], dtypes, repeats)
         if not args.quick
@@ -411,6 +475,7 @@ def main():
     for r in gpu or []:
         if "error" in r:
             print(f"GPU {r['op']} {r['shape']} {r['dtype']} {r['style']} failed: {r['error']}")
+    dask_line = None
     if not args.no_dask and not args.no_cpu:
         # In its own process: this one holds large arrays by now, which skews the cluster.
         command = [sys.executable, os.path.join(HERE, "dask_bench.py")]
@@ -418,7 +483,14 @@ def main():
             command += ["--gb", "1"]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("dask:")]
-        print("\n" + (lines[-1] if lines else f"(no Dask row: {done.stderr.strip()[-300:]})"))
+        dask_line = lines[-1] if lines else f"(no Dask row: {done.stderr.strip()[-300:]})"
+        print("\n" + dask_line)
+    if args.write and not args.no_cpu:
+        cold = {"import_s": import_s, "first_call_s": first_call_s, "cold_s": first[1]}
+        report.write(
+            args.write, info, cold, decode, rows, sweep, against, accuracy, dask_line, date
+        )
+        print(f"\nwrote {args.write} and its plots")
     print(f"\ntotal {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

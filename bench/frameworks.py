@@ -1,0 +1,144 @@
+"""arrayrope against the same rotation written in NumPy, PyTorch (eager and torch.compile) and
+JAX (jax.jit), where installed, and the float32 accuracy of arrayrope against the common
+float32-angle formula. Used by bench.py; each piece also runs alone:
+
+    python bench/frameworks.py
+"""
+
+import time
+
+import numpy as np
+
+SHAPE = (1, 32, 2048, 128)  # a prefill of 2048 tokens, 32 heads
+DECODE = (1, 32, 1, 128)
+
+
+def _best(fn, repeats, calls=1):
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _torch_formula(torch):
+    """The rotation as transformers' models write it: cos/sin of float32 angles, rotate_half."""
+
+    def rotate(x, pos, inv_freq):
+        freqs = pos[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    return rotate
+
+
+def _jax_formula(jnp):
+    def rotate(x, pos, inv_freq):
+        freqs = pos[:, None].astype(jnp.float32) * inv_freq[None, :]
+        emb = jnp.concatenate((freqs, freqs), axis=-1)
+        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+        return x * cos + rotated * sin
+
+    return rotate
+
+
+def framework_rows(repeats=7):
+    """Seconds per call of each implementation, for a prefill and a decode step (float32,
+    half style), each against arrayrope in the same run. Rows: (shape, name, seconds)."""
+    import arrayrope as ar
+
+    rope = ar.RoPE(128, style="half")
+    rows = []
+    for shape in (SHAPE, DECODE):
+        decode = shape == DECODE
+        calls = 200 if decode else 1
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        pos = np.arange(shape[2], dtype=np.int64) + (1234 if decode else 0)
+        p = 1234 if decode else None
+        timings = {
+            "arrayrope (NumPy array)": lambda: rope.rotate(x, p if decode else pos),
+            "NumPy formula (arrayrope's reference)": lambda: rope.rotate(x, pos, backend="numpy"),
+        }
+        try:
+            import torch
+
+            t = torch.from_numpy(x)
+            tpos = torch.from_numpy(pos)
+            inv = torch.tensor(rope.inv_freq, dtype=torch.float32)
+            formula = _torch_formula(torch)
+            compiled = torch.compile(formula)
+            timings["arrayrope (torch tensor)"] = lambda: rope.rotate(t, p if decode else tpos)
+            timings["PyTorch eager formula"] = lambda: formula(t, tpos, inv)
+            timings["torch.compile formula"] = lambda: compiled(t, tpos, inv)
+        except Exception:  # noqa: BLE001 - torch missing, or torch.compile unavailable here
+            pass
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            j = jnp.asarray(x)
+            jpos = jnp.asarray(pos)
+            jinv = jnp.asarray(rope.inv_freq, dtype=jnp.float32)
+            jitted = jax.jit(_jax_formula(jnp))
+            timings["arrayrope (JAX array)"] = lambda: rope.rotate(j, p if decode else jpos)
+            timings["jax.jit formula"] = lambda: jitted(j, jpos, jinv).block_until_ready()
+        except Exception:  # noqa: BLE001 - JAX missing
+            pass
+        for name, fn in timings.items():
+            try:
+                rows.append((shape, name, _best(fn, repeats, calls)))
+            except Exception as error:  # noqa: BLE001 - reported, not fatal
+                rows.append((shape, f"{name} (failed: {type(error).__name__})", None))
+    return rows
+
+
+def float64_rotation(x, pos, inv_freq):
+    angle = np.float64(pos) * inv_freq
+    a, b = x[..., 0::2].astype(np.float64), x[..., 1::2].astype(np.float64)
+    out = np.empty(x.shape, np.float64)
+    out[..., 0::2] = a * np.cos(angle) - b * np.sin(angle)
+    out[..., 1::2] = b * np.cos(angle) + a * np.sin(angle)
+    return out
+
+
+def float32_angle_rotation(x, pos, inv_freq):
+    angle = np.float32(pos) * inv_freq.astype(np.float32)  # the float32 angle: the usual formula
+    c, s = np.cos(angle), np.sin(angle)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = b * c + a * s
+    return out
+
+
+def accuracy_rows():
+    """(position, arrayrope max error, float32-angle formula max error, one float32 ulp of the
+    largest |x|) for positions 10^1 ... 10^7, head_dim 128, base 10000, 256 vectors."""
+    import arrayrope as ar
+
+    x = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    inv_freq = 10000.0 ** (-np.arange(0, 128, 2) / 128)
+    ulp = float(np.spacing(np.float32(np.abs(x).max())))
+    rows = []
+    for pos in np.unique(np.logspace(1, 7, 25).astype(np.int64)):
+        exact = float64_rotation(x, int(pos), inv_freq)
+        ours = float(np.abs(ar.rotate(x, int(pos)).astype(np.float64) - exact).max())
+        common = np.abs(float32_angle_rotation(x, pos, inv_freq).astype(np.float64) - exact)
+        rows.append((int(pos), ours, float(common.max()), ulp))
+    return rows
+
+
+if __name__ == "__main__":
+    for shape, name, seconds in framework_rows():
+        print(f"{shape} {name:40s} {'-' if seconds is None else f'{seconds * 1e6:10.1f} us'}")
+    for pos, ours, common, ulp in accuracy_rows():
+        print(f"position {pos:>9}: arrayrope {ours / ulp:6.2f} ulps, float32 angles {common:.3g}")

@@ -1,0 +1,232 @@
+"""The benchmark's results file and its plots: bench.py --write FILE.md writes FILE.md and,
+beside it, throughput.png, frameworks.png and accuracy.png."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import numpy as np
+
+
+def machine():
+    """What the figures were measured on: CPU model, vector instruction sets, cores, threads."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "avx2", "f16c")
+    isa = [f for f in wanted if f in flags]
+    widest = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    import numba
+
+    return {
+        "cpu": model,
+        "vector ISA": f"{widest} ({', '.join(isa) or 'none of ' + ', '.join(wanted)})",
+        "cores": os.cpu_count(),
+        "Numba threads": numba.config.NUMBA_NUM_THREADS,
+        "versions": f"Python {platform.python_version()}, NumPy {np.__version__}, "
+        f"Numba {numba.__version__}",
+    }
+
+
+def _revision():
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        ["git", "-C", here, "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def write(path, info, cold, decode, rows, sweep, frameworks, accuracy, dask_line, date):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    figures = _plots(folder, sweep, frameworks, accuracy)
+    text = [
+        "# arrayrope performance",
+        "",
+        f"Written by `python bench/bench.py --write {os.path.relpath(path)}` on {date}, "
+        f"arrayrope at {_revision()}. Each figure is measured in this run; ratios compare "
+        "against a ceiling measured alongside it, alternating, so that a shared machine's "
+        "slow minutes fall on both.",
+        "",
+        _table(["machine", ""], list(info.items())),
+        "",
+        "## Start-up",
+        "",
+        f"`import arrayrope`: {cold['import_s'] * 1e3:.0f} ms. First call (a decode step): "
+        f"{cold['first_call_s'] * 1e3:.0f} ms with the kernels in Numba's disk cache, "
+        f"{cold['cold_s']:.1f} s compiling them into an empty cache.",
+        "",
+        "## Decode and prefill steps",
+        "",
+        "x (1, 32, 1, 128) float32; k 8 heads; KV a (1, 8, 2048, 128) cache; chunk 16 tokens. "
+        "Microseconds per call, every check included: the best and the median of rounds in "
+        "which the cases take turns. `sum(range(100))` shows how fast this machine ran Python "
+        "at the time.",
+        "",
+        _table(
+            ["call", "best us", "median us"],
+            [(name, f"{b:.2f}", f"{m:.2f}") for name, (b, m) in decode.items()],
+        ),
+        "",
+        "## Large tensors",
+        "",
+        "GB/s counts bytes read plus bytes written. The ceiling is the fastest copy of the same "
+        "bytes in the same run (np.copyto or a threaded copy; for `rotate new`, which allocates, "
+        "`x.copy()`); the streaming copy is a threaded copy with streaming stores (x86-64). "
+        "`vs numpy` is the speedup over the NumPy formula.",
+        "",
+        _table(
+            [
+                "op",
+                "shape",
+                "dtype",
+                "style",
+                "ms",
+                "GB/s",
+                "copy GB/s",
+                "of ceiling",
+                "of streaming copy",
+                "vs numpy",
+            ],
+            [
+                (
+                    r["op"],
+                    r["shape"],
+                    r["dtype"],
+                    r["style"],
+                    _fmt(r["ms"], ".3f"),
+                    _fmt(r["GB/s"], ".1f"),
+                    _fmt(r["copy GB/s"], ".1f"),
+                    _fmt(r["of ceiling"], ".2f"),
+                    _fmt(r.get("of streaming copy"), ".2f"),
+                    _fmt(r.get("vs numpy") or r.get("host us"), ".1f"),
+                )
+                for r in rows
+            ],
+        ),
+        "",
+        f"![throughput against tensor size]({figures['throughput']})",
+        "",
+        "## Against other implementations",
+        "",
+        "The same rotation (float32, half style) as models write it with the framework's own "
+        "operations: cos and sin of float32 angles, then rotate_half. The framework rows time "
+        "what installed frameworks this run found.",
+        "",
+        _table(
+            ["shape", "implementation", "us per call", "arrayrope (NumPy) is"],
+            _framework_table(frameworks),
+        ),
+        "",
+        f"![against other implementations]({figures['frameworks']})",
+        "",
+        "## float32 accuracy against position",
+        "",
+        "The largest error of a float32 rotation against the float64 one, head_dim 128, base "
+        "10000, in float32 ulps of the inputs' largest magnitude.",
+        "",
+        _table(
+            ["position", "arrayrope (ulps)", "float32-angle formula (ulps)"],
+            [(f"{p:,}", f"{o / u:.2f}", f"{c / u:.0f}") for p, o, c, u in accuracy],
+        ),
+        "",
+        f"![float32 error against position]({figures['accuracy']})",
+    ]
+    if dask_line:
+        text += ["", "## Dask", "", dask_line]
+    with open(path, "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
+def _framework_table(frameworks):
+    base = {shape: s for shape, name, s in frameworks if name.startswith("arrayrope (NumPy")}
+    rows = []
+    for shape, name, seconds in frameworks:
+        ratio = "-" if seconds is None else f"{seconds / base[shape]:.1f}x faster"
+        if name.startswith("arrayrope (NumPy"):
+            ratio = ""
+        rows.append((shape, name, _fmt(None if seconds is None else seconds * 1e6, ".1f"), ratio))
+    return rows
+
+
+def _plots(folder, sweep, frameworks, accuracy):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    names = {}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for dtype, points in sweep.items():
+        sizes = [mb for mb, _, _ in points]
+        (line,) = ax.plot(sizes, [g for _, g, _ in points], marker="o", label=f"arrayrope {dtype}")
+        ax.plot(sizes, [c for _, _, c in points], ls="--", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("tensor size (MiB), rotate out=, (1, 32, T, 128), half style")
+    ax.set_ylabel("GB/s (read + written)")
+    ax.set_title("Throughput; dashed: a copy of the same bytes in the same run")
+    ax.legend()
+    fig.tight_layout()
+    names["throughput"] = "throughput.png"
+    fig.savefig(os.path.join(folder, names["throughput"]), dpi=110)
+    plt.close(fig)
+
+    shapes = sorted({s for s, _, _ in frameworks}, key=lambda s: -s[2])
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(9, 2.2 + 1.9 * len(shapes)))
+    for ax, shape in zip(np.atleast_1d(axes), shapes):
+        entries = [(n, t) for s, n, t in frameworks if s == shape and t is not None]
+        base = next(t for n, t in entries if n.startswith("arrayrope (NumPy"))
+        ratios = [t / base for _, t in entries]
+        ax.barh([n for n, _ in entries], ratios, color="tab:blue", left=0)
+        ax.set_xscale("log")
+        ax.set_xlim(0.5, max(ratios) * 4)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        for y, (_, t) in enumerate(entries):
+            label = f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+            ax.text(t / base * 1.08, y, label, va="center", fontsize=8)
+        ax.set_title(f"x {shape} float32: time per call, relative to arrayrope on NumPy")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    names["frameworks"] = "frameworks.png"
+    fig.savefig(os.path.join(folder, names["frameworks"]), dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    positions = [p for p, _, _, _ in accuracy]
+    ax.plot(positions, [o / u for _, o, _, u in accuracy], marker="o", label="arrayrope")
+    ax.plot(positions, [c / u for _, _, c, u in accuracy], marker="s", label="float32 angles")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position")
+    ax.set_ylabel("max error (float32 ulps of max |x|)")
+    ax.set_title("float32 rotation error against float64")
+    ax.legend()
+    fig.tight_layout()
+    names["accuracy"] = "accuracy.png"
+    fig.savefig(os.path.join(folder, names["accuracy"]), dpi=110)
+    plt.close(fig)
+    return names
+
+
+if __name__ == "__main__":
+    sys.exit("report.py is written by bench.py --write FILE.md")
