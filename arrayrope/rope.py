@@ -246,7 +246,15 @@ class RoPE:
         return found
 
     @classmethod
-    def axial(cls, dims, *, base=10000.0, style="interleaved", max_positions=None, scaling=None):
+    def axial(
+        cls,
+        dims: tuple[int, ...],
+        *,
+        base: float = 10000.0,
+        style: str = "interleaved",
+        max_positions: int | None = None,
+        scaling: ScalingRule | None = None,
+    ) -> RoPE:
         """Multi-axis RoPE with per-axis frequencies (FLUX ``axes_dim``, 2-D ViT RoPE).
 
         Parameters
@@ -284,16 +292,16 @@ class RoPE:
     @classmethod
     def sectioned(
         cls,
-        head_dim,
-        sections,
+        head_dim: int,
+        sections: tuple[int, ...],
         *,
-        base=10000.0,
-        style="half",
-        assign="contiguous",
-        rotary_dim=None,
-        max_positions=None,
-        scaling=None,
-    ):
+        base: float = 10000.0,
+        style: str = "half",
+        assign: str = "contiguous",
+        rotary_dim: int | None = None,
+        max_positions: int | None = None,
+        scaling: ScalingRule | None = None,
+    ) -> RoPE:
         """Multi-axis RoPE with shared frequencies (Qwen2-VL M-RoPE, Qwen3-VL).
 
         Parameters
@@ -348,25 +356,36 @@ class RoPE:
         return rope
 
     @classmethod
-    def from_hf_config(cls, config, *, style=None, max_positions=None):
+    def from_hf_config(
+        cls, config: Any, *, style: str | None = None, max_positions: int | None = None
+    ) -> RoPE:
         """The RoPE a Hugging Face model config describes.
 
         Parameters
         ----------
-        config : dict, path to config.json, or an object with those attributes
-            Reads rope_theta (rotary_emb_base), rope_scaling or rope_parameters (rope_type/type:
-            default, linear, dynamic, yarn, longrope, llama3; mrope_section for Qwen-VL),
-            head_dim or hidden_size / num_attention_heads (qk_rope_head_dim for DeepSeek),
-            partial_rotary_factor (rotary_pct), max_position_embeddings and
-            original_max_position_embeddings.
+        config : dict, path to config.json or to a model folder, or a config object
+            A transformers config object is read through its attributes (its aliases apply:
+            GPT-J's n_embd is hidden_size). Reads rope_theta (rotary_emb_base), rope_scaling or
+            rope_parameters (rope_type/type: default, linear, dynamic, yarn, longrope, llama3;
+            mrope_section for Qwen-VL), head_dim or hidden_size / num_attention_heads
+            (qk_rope_head_dim for DeepSeek), partial_rotary_factor (rotary_pct) or rotary_dim
+            (GPT-J, CodeGen), max_position_embeddings and original_max_position_embeddings.
         style : {"half", "interleaved"}, optional
             Overrides the pair style of the model family ("half" for Llama-lineage checkpoints,
-            "interleaved" for DeepSeek-V2/V3, GPT-J, Cohere).
+            "interleaved" for DeepSeek-V2/V3, GPT-J, CodeGen, Cohere).
+        max_positions : int, optional
+            As in :class:`RoPE`.
+
+        Returns
+        -------
+        RoPE
 
         Raises
         ------
         RopeValueError
-            Unknown or inconsistent fields, an unknown family without ``style=``.
+            Unknown fields, fields that disagree (rope_theta and rotary_emb_base, hidden_size
+            and n_embd, rotary_dim and a partial rotary factor), or an unknown family without
+            ``style=``.
         """
         from ._hf_config import rope_from_hf_config
 

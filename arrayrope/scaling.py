@@ -7,7 +7,7 @@ frequencies and the attention scaling that multiplies cos and sin.
 All arithmetic is float64. Hugging Face transformers computes these frequencies in float32, so
 its inv_freq differs from arrayrope's by up to ~6e-8 relative (one float32 rounding); at position
 p that is an angle difference of up to p * theta * 6e-8 rad (2e-3 rad at p = 32768, theta = 1),
-which is float32's error, not the method's. ``bench/accuracy.py`` measures the consequence.
+which is float32's error, not the method's (docs/performance.md shows the consequence).
 
 Length-dependent rules (DynamicNTK, LongRoPE) pick their frequencies from the current sequence
 length L: by default ``max(pos) + 1`` of each call, as Hugging Face derives it from position ids;
@@ -96,7 +96,14 @@ class ScalingRule:
 
 @dataclass(frozen=True)
 class Linear(ScalingRule):
-    """Position interpolation (Chen et al. 2023): every theta_i divided by ``factor``."""
+    """Position interpolation (Chen et al. 2023): every theta_i divided by ``factor``.
+
+    Parameters
+    ----------
+    factor : float > 0
+        The context extension: positions are read as position / factor. Hugging Face's
+        ``rope_type: "linear"``.
+    """
 
     factor: float
 
@@ -109,7 +116,13 @@ class Linear(ScalingRule):
 
 @dataclass(frozen=True)
 class NTK(ScalingRule):
-    """Static NTK-aware scaling: the base becomes ``base * factor ** (d / (d - 2))``."""
+    """Static NTK-aware scaling: the base becomes ``base * factor ** (d / (d - 2))``.
+
+    Parameters
+    ----------
+    factor : float > 0
+        The context extension. Needs at least 4 rotated features per block.
+    """
 
     factor: float
 
@@ -126,7 +139,15 @@ class NTK(ScalingRule):
 @dataclass(frozen=True)
 class DynamicNTK(ScalingRule):
     """Dynamic NTK: at current length L > original_max_positions the base becomes
-    ``base * (factor * L / orig - (factor - 1)) ** (d / (d - 2))``; plain RoPE up to orig."""
+    ``base * (factor * L / orig - (factor - 1)) ** (d / (d - 2))``; plain RoPE up to orig.
+
+    Parameters
+    ----------
+    factor : float > 0
+    original_max_positions : int
+        The training context, orig. Hugging Face's ``rope_type: "dynamic"``; L is each call's
+        max(pos) + 1 unless ``seq_len`` gives it.
+    """
 
     factor: float
     original_max_positions: int
@@ -220,7 +241,15 @@ class YaRN(ScalingRule):
 @dataclass(frozen=True)
 class Llama3(ScalingRule):
     """Llama 3.1: wavelengths above orig / low_freq_factor are divided by ``factor``, those below
-    orig / high_freq_factor kept, and the band between interpolated smoothly."""
+    orig / high_freq_factor kept, and the band between interpolated smoothly.
+
+    Parameters
+    ----------
+    factor, low_freq_factor, high_freq_factor : float > 0
+        As in Llama 3.1's ``rope_scaling`` (8, 1, 4).
+    original_max_positions : int
+        The training context (8192).
+    """
 
     factor: float
     low_freq_factor: float
@@ -298,11 +327,16 @@ class LongRoPE(ScalingRule):
         )
 
     def check(self, blocks):
-        pairs = sum(dim // 2 for dim, _ in blocks)
-        if len(blocks) != 1 or pairs != len(self.short_factor):
+        if len(blocks) != 1:
             raise RopeValueError(
-                f"LongRoPE has {len(self.short_factor)} factors per set; this RoPE has "
-                f"{pairs} pairs in {len(blocks)} block(s), one block needed"
+                f"LongRoPE scales one run of frequencies (a plain or sectioned RoPE), got an "
+                f"axial RoPE with {len(blocks)} axes"
+            )
+        pairs = blocks[0][0] // 2
+        if pairs != len(self.short_factor):
+            raise RopeValueError(
+                f"LongRoPE needs one factor per rotated pair: this RoPE rotates {pairs} pairs "
+                f"(rotary_dim {2 * pairs}), got {len(self.short_factor)} short and long factors"
             )
 
     def select(self, seq_len):

@@ -207,7 +207,7 @@ def test_rule_errors():
         Llama3(8, 4, 1, 8192)
     with pytest.raises(RopeValueError, match="one value per pair, got 3 and 2"):
         LongRoPE((1, 1, 1), (1, 1), 4096)
-    with pytest.raises(RopeValueError, match="LongRoPE has 3 factors per set; this RoPE has 8"):
+    with pytest.raises(RopeValueError, match="one factor per rotated pair: this RoPE rotates 8"):
         ar.RoPE(16, scaling=LongRoPE((1, 1, 1), (1, 1, 1), 4096))
     with pytest.raises(ar.RopeTypeError, match="scaling must be a rule"):
         ar.RoPE(16, scaling="yarn")
