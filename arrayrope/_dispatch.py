@@ -194,7 +194,8 @@ class Engine:
                     )
                 native_outs.append(native)
             native_outs = tuple(native_outs)
-        results = self.run(tuple(natives), pos, inverse, native_outs, backend, seq_len)
+        with _interop.framework_stream(xs + (outs or ())):
+            results = self.run(tuple(natives), pos, inverse, native_outs, backend, seq_len)
         if outs is not None:
             return tuple(outs)  # written through their shared memory
         return tuple(r if restore is None else restore(r) for r, restore in zip(results, restores))

@@ -132,6 +132,22 @@ def _make_restorer(framework):
     return lambda result: result
 
 
+def framework_stream(arrays):
+    """A context in which CuPy launches on the caller's CUDA stream: torch's current stream for
+    torch CUDA tensors, so that the next torch operation (on that stream, or in a CUDA graph
+    being captured on it) sees the writes of an out= or in-place call in order. Nothing for
+    every other array."""
+    import contextlib
+
+    for a in arrays:
+        if _framework(a) == "torch" and getattr(a, "is_cuda", False):
+            torch = sys.modules["torch"]
+            import cupy
+
+            return cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
+    return contextlib.nullcontext()
+
+
 def requires_grad(xs):
     """Whether any of ``xs`` is a torch tensor that autograd tracks."""
     return any(_framework(x) == "torch" and getattr(x, "requires_grad", False) for x in xs)

@@ -245,15 +245,16 @@ class GeneralPlan:
         axes, and through a temporary where a kernel cannot address an array (an in-place
         operand is passed with ``out is x``)."""
         xp, fam = self.xp, self.family
+        # copy() makes a fresh C-order array, aligned where a contiguous view may not be
         if in_place:
             if not (self.any_layout or _arrays.addressable(x, fam)):
-                temp = xp.ascontiguousarray(x)
+                temp = x.copy()
                 write_back.append((temp, out))
                 x = temp
             out = x
         else:
             if not (self.any_layout or _arrays.addressable(x, fam)):
-                x = xp.ascontiguousarray(x)
+                x = x.copy()
             if not (self.any_layout or _arrays.addressable(out, fam)):
                 temp = xp.empty(x.shape, x.dtype)
                 write_back.append((temp, out))

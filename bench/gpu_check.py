@@ -56,7 +56,62 @@ def main():
         f"tests {'passed' if tests.returncode == 0 else 'FAILED'}; {time.time() - start:.0f} s"
     )
     print(table(rows))
+    print("\nhost-device traffic per decode call (1, 32, 1, 128) float32, counted over 100 calls:")
+    for name, counts in decode_traffic(cupy, np).items():
+        print(f"  {name:36s} " + ", ".join(f"{k} {v:.2f}" for k, v in counts.items()))
     sys.exit(tests.returncode)
+
+
+def decode_traffic(cupy, np, calls=100):
+    """Copies to the device, copies to the host and synchronizations per decode call, counted
+    by wrapping CuPy's entry points for them (after a warm-up call of each kind)."""
+    import arrayrope as ar
+
+    counts = {}
+
+    def counting(kind, function):
+        def wrapper(*args, **kwargs):
+            counts[kind] = counts.get(kind, 0) + 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    rope = ar.RoPE(128)
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 32, 1, 128)), np.float32)
+    out = cupy.empty_like(x)
+    device_pos = cupy.asarray([1234])
+    cases = {
+        "int position, out=": lambda: rope.rotate(x, 1234, out=out),
+        "default positions": lambda: rope.rotate(x, out=out),
+        "host position array": lambda: rope.rotate(x, np.array([1234]), out=out),
+        "device position array": lambda: rope.rotate(x, device_pos, out=out),
+        "numba-cuda, int position": lambda: rope.rotate(x, 1234, out=out, backend="numba-cuda"),
+    }
+    patches = [
+        (cupy, "asarray", "to device"),
+        (cupy.ndarray, "get", "to host"),
+        (cupy.ndarray, "item", "to host"),
+        (cupy.cuda.Stream, "synchronize", "syncs"),
+        (cupy.cuda.Device, "synchronize", "syncs"),
+    ]
+    found = {}
+    for name, call in cases.items():
+        call()  # warm: compiled, tables and kept arrays on the device
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+        counts.clear()
+        try:
+            for owner, attr, kind in patches:
+                setattr(owner, attr, counting(kind, getattr(owner, attr)))
+            for _ in range(calls):
+                call()
+        except Exception as error:  # noqa: BLE001 - reported
+            counts["error"] = f"{type(error).__name__}"
+        finally:
+            for owner, attr, original in saved:
+                setattr(owner, attr, original)
+        found[name] = {k: (v / calls if isinstance(v, int) else v) for k, v in counts.items()}
+        found[name] = found[name] or {"copies and syncs": 0.0}
+    return found
 
 
 def table(rows):

@@ -38,6 +38,9 @@ class Device:
     def __exit__(self, *exc):
         _current.pop()
 
+    def synchronize(self):
+        """Launches run as they are made here: nothing is ever pending."""
+
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
 
@@ -50,6 +53,58 @@ class Device:
 
 def _here():
     return _current[-1]
+
+
+class Stream:
+    """A CUDA stream: a ``with`` block makes it current; launches record the current one."""
+
+    _next = [0x1000]
+
+    def __init__(self, non_blocking=False, ptr=None):
+        if ptr is None:
+            ptr = Stream._next[0]
+            Stream._next[0] += 0x10
+        self.ptr = ptr
+
+    def __enter__(self):
+        _streams.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _streams.pop()
+
+    def synchronize(self):
+        """Launches run as they are made here: nothing is ever pending."""
+
+
+def ExternalStream(ptr):  # noqa: N802 - CuPy's name
+    """A stream another framework owns, known by its pointer."""
+    return Stream(ptr=ptr)
+
+
+Stream.null = Stream(ptr=0)
+_streams = [Stream.null]
+
+
+def get_current_stream():
+    return _streams[-1]
+
+
+class MisalignedAddress(RuntimeError):
+    """What a device raises for a typed access at an address its type does not divide
+    (CUDA_ERROR_MISALIGNED_ADDRESS): sticky, the process's CUDA context is lost."""
+
+
+_lost = []  # a launch failed as a device would: every later launch fails too
+
+
+def _access_bytes(name, itemsize):
+    """The widest access an entry point makes: P pairs of ``_v<P>`` (interleaved: 2P elements
+    at once), else one element."""
+    if "_v" not in name:
+        return itemsize
+    p = int(name.rsplit("_v", 1)[1])
+    return p * itemsize * (2 if "_interleaved_" in name else 1)
 
 
 class _Pointer:
@@ -249,8 +304,17 @@ class _Function:
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         device = _here()
+        if _lost:
+            raise MisalignedAddress(f"the CUDA context is lost since {_lost[0]}")
         if self.module.device != device:
             raise ValueError(f"kernel of device {self.module.device} launched on device {device}")
+        for i, a in enumerate(args):
+            if not isinstance(a, ndarray):
+                continue
+            wide = _access_bytes(self.name, a.itemsize) if i in (0, 1, 3, 4) else a.itemsize
+            if a.data.ptr % wide:
+                _lost.append(f"{self.name}: argument {i} at {a.data.ptr:#x}, {wide}-byte access")
+                raise MisalignedAddress(f"CUDA_ERROR_MISALIGNED_ADDRESS: {_lost[-1]}")
         for i, a in enumerate(args):
             if isinstance(a, np.ndarray) or (
                 not isinstance(a, ndarray) and not isinstance(a, np.generic)
@@ -259,6 +323,7 @@ class _Function:
             if isinstance(a, ndarray) and a._device != device:
                 raise ValueError(f"kernel argument {i} is on device {a._device}, not {device}")
         self.module.launches.append(self.name)
+        self.module.streams.append((stream or get_current_stream()).ptr)
         host_cuda.run_kernel(self.module.library, self.name, grid, block, args, _address)
 
 
@@ -272,6 +337,7 @@ class _RawModule:
             raise ValueError("this stand-in runs arrayrope's CUDA source only")
         self.library, self.options, self.device = library, options, _here()
         self.launches = []
+        self.streams = []  # the stream each launch ran on
 
     def get_function(self, name):
         if name not in host_cuda.KERNEL_NAMES:
@@ -283,7 +349,12 @@ def make(library):
     """A fresh ``cupy`` module whose kernels run through ``library`` (host_cuda)."""
     cupy = types.ModuleType("cupy")
     cupy.ndarray = ndarray
-    cupy.cuda = types.SimpleNamespace(Device=Device)
+    cupy.cuda = types.SimpleNamespace(
+        Device=Device,
+        Stream=Stream,
+        ExternalStream=ExternalStream,
+        get_current_stream=get_current_stream,
+    )
     cupy.is_available = lambda: True
     modules = []
 
@@ -341,6 +412,7 @@ def installed(library):
     def forget():
         _cache.clear_all()  # plans, shared RoPEs, compiled modules, device arrays
         transfers.clear()
+        _lost.clear()
 
     fake = make(library)
     profiler = types.ModuleType("cupyx.profiler")

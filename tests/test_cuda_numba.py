@@ -119,7 +119,7 @@ def signature(storage, compute):
     data, rows = types.Array(storage, 1, "C"), types.Array(types.int64, 1, "C")
     table = types.Array(compute, 2, "C")
     return (data, data, rows, data, data, rows, types.Array(types.int64, 3, "C"), table, table,
-            rows, types.int64, types.int64, compute, types.boolean, types.int64, types.int64)
+            rows, types.int64, types.int64, compute, types.int64, types.int64, types.int64)
 
 cases = [(False, np.float32, types.float16, types.float32),
          (False, np.float32, types.float32, types.float32),

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import arrayrope as ar
-from arrayrope.backends.cuda.cupy import KERNEL_NAMES, SOURCE
+from arrayrope.backends.cuda.cupy import KERNEL_NAMES, OPTIONS, SOURCE
 
 NVCC = shutil.which("nvcc")
 
@@ -76,10 +76,10 @@ def _nvrtc():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compiles_with_nvrtc_as_cupy_does(arch):
-    # CuPy's RawModule compiles the source with NVRTC and these options, not with nvcc.
+    # CuPy's RawModule compiles the source with NVRTC and the launcher's options, not nvcc.
     nvrtc = _nvrtc()
     _, program = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"rope.cu", 0, [], [])
-    options = [b"--std=c++14", f"--gpu-architecture={arch}".encode()]
+    options = [o.encode() for o in OPTIONS] + [f"--gpu-architecture={arch}".encode()]
     (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
     log = b" " * size

@@ -166,3 +166,17 @@ def test_unavailable_gpu_backend_names_the_install(monkeypatch):
 
     with pytest.raises(BackendUnavailableError, match="pip install"):
         cupy.require_cupy()
+
+
+def test_outputs_whose_elements_share_memory_are_refused():
+    # parallel rows would race to write one place; no answer would be the right one
+    x = np.ones((4, 16), np.float32)
+    shared = np.lib.stride_tricks.as_strided(np.zeros(16, np.float32), (4, 16), (0, 4))
+    before = x.copy()
+    with pytest.raises(RopeValueError, match="share memory"):
+        ar.rotate(x, 1, out=shared)
+    in_place = np.lib.stride_tricks.as_strided(np.ones(16, np.float32), (4, 16), (0, 4))
+    with pytest.raises(RopeValueError, match="share memory"):
+        ar.rotate(in_place, 1, out=in_place)
+    np.testing.assert_array_equal(x, before)
+    assert (shared == 0).all() and (in_place == 1).all()

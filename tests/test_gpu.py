@@ -146,3 +146,88 @@ def test_mixing_host_and_device_is_an_error():
         ar.rotate(np.zeros((2, 8), np.float32), cupy.arange(2))
     with pytest.raises(ar.RopeValueError, match="backend='numba' takes NumPy arrays"):
         ar.rotate(x, backend="numba")
+
+
+# ---------------------------------------------------------------- what only a device shows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_misaligned_views_are_rotated_not_faulted(backend):
+    # a float32 view 2 bytes into an allocation, int64 positions 4 bytes in: a typed load at
+    # such an address raises CUDA_ERROR_MISALIGNED_ADDRESS and loses the context
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    odd = cupy.zeros(x.nbytes + 2, np.uint8)[2:].view(np.float32).reshape(x.shape)
+    odd[...] = cupy.asarray(x)
+    pos = np.array([5, 900, 17])
+    odd_pos = cupy.zeros(3 * 8 + 4, np.uint8)[4:].view(np.int64)
+    odd_pos[...] = cupy.asarray(pos)
+    got = ar.rotate(odd, odd_pos[:, None], backend=backend)
+    cupy.cuda.Device().synchronize()
+    assert_matches(got.get(), oracle(x, pos[:, None]), x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launches_follow_a_non_blocking_cupy_stream(backend):
+    rng = np.random.default_rng()
+    x = cupy.asarray(rng.standard_normal((2, 8, 64, 128)).astype(np.float32))
+    out = cupy.zeros_like(x)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ar.rotate(x, 7, out=out, backend=backend)
+        seen = out.copy()  # queued behind the rotation on the same stream
+    stream.synchronize()
+    np.testing.assert_allclose(seen.get(), ar.rotate(x.get(), 7), rtol=0, atol=3e-6)
+
+
+def test_torch_side_stream_out_is_ordered():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    x = torch.randn(8, 32, 256, 128, device="cuda")
+    out = torch.zeros_like(x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ar.rotate(x, 11, out=out)
+        total = out.sum()  # torch's next operation on its current stream
+    side.synchronize()
+    expected = ar.rotate(x.cpu().numpy(), 11)
+    np.testing.assert_allclose(total.item(), float(expected.sum()), rtol=1e-4)
+
+
+def test_torch_cuda_graph_capture():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    rope = ar.RoPE(128)
+    x = torch.randn(1, 32, 1, 128, device="cuda")
+    out = torch.empty_like(x)
+    rope.rotate(x, 5, out=out)  # warm: kernels compiled, tables and index arrays on the device
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope.rotate(x, 5, out=out)  # an int position: no host-device copy, no synchronization
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(out.cpu().numpy(), rope.rotate(x.cpu().numpy(), 5), atol=2e-6)
+
+
+def test_writable_broadcast_outputs_are_refused():
+    x = cupy.ones((4, 16), np.float32)
+    shared = cupy.broadcast_to(cupy.zeros(16, np.float32), (4, 16))
+    with pytest.raises(ar.RopeValueError, match="share memory"):
+        ar.rotate(x, 1, out=shared)
+
+
+def test_subnormals_and_the_cpu_bits():
+    # compiled without flush-to-zero or FMA contraction: the CPU kernel's bits, subnormal
+    # inputs included (nan payloads aside)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    x[:, :8] = np.float32(1e-40)  # subnormal float32
+    pos = rng.integers(0, 10**6, 64)
+    for style in ("interleaved", "half"):
+        gpu = ar.rotate(cupy.asarray(x), pos, style=style, backend="cupy").get()
+        cpu = ar.rotate(x, pos, style=style)
+        np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))

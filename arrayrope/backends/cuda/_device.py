@@ -29,9 +29,10 @@ def device_rows(cupy, device, idx, cos, sin):
     """Row indices on the current device, and the tables they index. Default positions (an
     arange arrayrope keeps) are copied once per device; a single position is a zero row index
     into its own row of the tables (a view), so a decode step copies nothing to the device. Any
-    other host idx is copied."""
-    if not isinstance(idx, np.ndarray):
-        return idx, cos, sin
+    other host idx is copied; device positions are copied only where their start is not
+    aligned to their element size, which a GPU's typed loads require."""
+    if not isinstance(idx, np.ndarray):  # device positions: a fresh copy where misaligned
+        return (idx.copy() if idx.data.ptr % idx.itemsize else idx), cos, sin
     if is_default(idx):
         return on_device(cupy, device, ("arange", idx.shape[0]), idx), cos, sin
     if idx.shape == (1, 1):

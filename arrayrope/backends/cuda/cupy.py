@@ -74,6 +74,10 @@ def require_cupy():
     return cupy
 
 
+# No flush-to-zero and no FMA contraction: every product and sum rounds on its own, as in the
+# CPU kernels and the reference, so a GPU gives their bits (subnormal inputs included). The
+# kernels wait on memory, not on arithmetic.
+OPTIONS = ("--std=c++14", "--ftz=false", "--fmad=false")
 _modules = Bounded(16)  # per device
 _functions = Bounded(256)  # per device and entry point
 last_entry = None  # the entry point of the latest launch, for benchmarks and debugging
@@ -87,7 +91,7 @@ def _function(cupy, device, name):
     if function is None:
         module = _modules.get(device)
         if module is None:
-            module = cupy.RawModule(code=SOURCE, options=("--std=c++14",))
+            module = cupy.RawModule(code=SOURCE, options=OPTIONS)
             _modules.put(device, module)
         function = _functions.put((device, name), module.get_function(name))
     return function
@@ -149,7 +153,10 @@ def launch_plan(spec, operands, tables, inverse):
     n1 = rows(g, 0)
     n2 = rows(g, 1) if len(operands) == 2 else 0
     d = x0.shape[-1]
-    copy_tail = int(spec.rotary_dim < d and any(o is not x for x, o, _ in operands))
+    copy_tail = 0  # bit t: operand t's tail is copied (its out is not its x)
+    if spec.rotary_dim < d:
+        for t, (x, o, _) in enumerate(operands):
+            copy_tail |= (o is not x) << t
     compute = np.float64 if x0.dtype == np.float64 else np.float32
     scalars = (
         np.int32(spec.rotary_dim),

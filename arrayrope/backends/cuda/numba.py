@@ -159,7 +159,7 @@ def _kernel(bf16_bits, half_style, compute):
                 store(o, ob + ia, a * c - b * s)
                 store(o, ob + ib, b * c + a * s)
                 j += cuda.blockDim.x
-            if copy_tail:
+            if (copy_tail >> t) & 1:  # operand t's tail, where its out is not its x
                 j = rotary_dim + cuda.threadIdx.x
                 while j < d:
                     o[ob + j] = x[xb + j]
@@ -185,6 +185,7 @@ def launch(spec, operands, cos, sin, inverse):
         # Left to the kernel call, the same buffer passed in two slots would be copied back
         # twice, the stale copy last.
         moved = {}
+        stream = 0
 
         def to_device(a):
             if id(a) not in moved:
@@ -198,6 +199,8 @@ def launch(spec, operands, cos, sin, inverse):
 
         moved = None
         to_device = cupy.asarray  # the operands and tables are on the device already
+        # CuPy's current stream, where everything else of the call was queued
+        stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
 
         device = x0.device.id
 
@@ -222,9 +225,12 @@ def launch(spec, operands, cos, sin, inverse):
     d = x0.shape[-1]
     compute = np.float64 if x0.dtype == np.float64 else np.float32
     kernel = _kernel(bf16_bits, spec.style == "half", compute)
-    copy_tail = spec.rotary_dim < d and any(o is not x for x, o, _ in operands)
+    copy_tail = 0  # bit t: operand t's tail is copied (its out is not its x)
+    if spec.rotary_dim < d:
+        for t, (x, o, _) in enumerate(operands):
+            copy_tail |= (o is not x) << t
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
-    kernel[(blocks,), (LANES, WARPS_PER_BLOCK)](
+    kernel[(blocks,), (LANES, WARPS_PER_BLOCK), stream](
         *args,
         kept(("g", g.shape, g.tobytes()), g),
         to_device(cos),
@@ -233,7 +239,7 @@ def launch(spec, operands, cos, sin, inverse):
         np.int64(spec.rotary_dim),
         np.int64(d),
         compute(-1.0 if inverse else 1.0),
-        copy_tail,
+        np.int64(copy_tail),
         np.int64(n1),
         np.int64(n2),
     )

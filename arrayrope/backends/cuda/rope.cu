@@ -100,6 +100,7 @@ __device__ __forceinline__ void rope_rows(
     const typename Elem<T>::compute* __restrict__ sin_table, const int* __restrict__ pair_axis,
     int rotary_dim, int d, typename Elem<T>::compute sign, int copy_tail, i64 n1, i64 n2)
 {
+    // copy_tail: bit t set where operand t's tail past rotary_dim is copied (not in place)
     typedef typename Elem<T>::compute C;
     const int R = ROWS_PER_WARP;
     const int w = nlead + 1;
@@ -112,22 +113,25 @@ __device__ __forceinline__ void rope_rows(
     const T* xr[R];
     T* orow[R];
     const i64* pr[R];
+    int tail[R];
     i64 axis_stride = 0;
     {
         const T* x = x1;
         T* o = o1;
         const i64* idx = i1;
+        int t = 0;
         i64 xb = 0, ob = 0, pb = 0, inner = 0, inner_n = 0, xs = 0, os = 0, ps = 0;
         for (int r = 0; r < R; ++r) {
             if (r >= count) {  // past the end: repeat the last row, never stored
                 xr[r] = xr[r - 1];
                 orow[r] = orow[r - 1];
                 pr[r] = pr[r - 1];
+                tail[r] = 0;
                 continue;
             }
             if (r == 0 || inner == inner_n) {
                 const i64 row = first + r;
-                const int t = row >= n1;
+                t = row >= n1;
                 x = t ? x2 : x1;
                 o = t ? o2 : o1;
                 idx = t ? i2 : i1;
@@ -152,6 +156,7 @@ __device__ __forceinline__ void rope_rows(
             xr[r] = x + xb;
             orow[r] = o + ob;
             pr[r] = idx + pb;
+            tail[r] = (copy_tail >> t) & 1;
             ++inner;
             xb += xs;
             ob += os;
@@ -189,7 +194,8 @@ __device__ __forceinline__ void rope_rows(
             if (r >= count) break;
             C ra[P], rb[P];
             for (int k = 0; k < P; ++k) {
-                // FMA contraction is allowed: one rounding fewer, inside the same error bound.
+                // Compiled with -fmad=false: each product and sum rounds on its own, as on the
+                // CPU, so both give the same bits.
                 const C sk = s[r][k] * sign;
                 ra[k] = a[r][k] * c[r][k] - b[r][k] * sk;
                 rb[k] = b[r][k] * c[r][k] + a[r][k] * sk;
@@ -210,6 +216,7 @@ __device__ __forceinline__ void rope_rows(
     if (copy_tail) {
         for (int r = 0; r < R; ++r) {
             if (r >= count) break;
+            if (!tail[r]) continue;
             for (int j = rotary_dim + threadIdx.x; j < d; j += blockDim.x) orow[r][j] = xr[r][j];
         }
     }
