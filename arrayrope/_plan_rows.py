@@ -116,42 +116,95 @@ class RowsPlan:
         _, *probe = arguments(x, pos if kind != INT else 0, out)
         kernel = self.cpu.rows_entry(*probe, self.tables, settings)
 
-        def rotate(x, pos, inverse, out, seq_len):
-            # arguments(), written out: a decode step is short enough to feel one more call
-            if inverse is not False and inverse is not True:
-                inverse = check_inverse(inverse)
-            if seq_len is not None:
-                _positions.seq_len_for(False, seq_len, 0)
-            if kind == INT:
-                if not 0 <= pos < plan.rows:
-                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
-                positions = pos
-            elif kind == NONE:
-                positions = default
-            else:
-                positions = pos.reshape(-1) if flatten else pos
-                if positions.dtype is not _INT64:
-                    positions = positions.astype(_INT64)
-            if mode == FRESH:
-                result = o = empty(shape, dtype)
-                source = x
-            elif mode == IN_PLACE:
-                result = o = x
-                source = None
-            else:
-                result = o = out
-                source = x
-            if bits is not None:
-                source = None if source is None else source.view(bits)
-                o = o.view(bits)
-            status = kernel(source, o, positions, plan.tables, settings + inverse)
-            if status:
-                return plan._refused(status, (x,), pos, positions, inverse, (out,), seq_len)[0]
-            return result
+        if kind == INT and bits is None:
+            rotate = self._decode_step(kernel, mode, shape, dtype, settings)
+        else:
+
+            def rotate(x, pos, inverse, out, seq_len):
+                # arguments(), written out: a decode step is short enough to feel one more call
+                if inverse is not False and inverse is not True:
+                    inverse = check_inverse(inverse)
+                if seq_len is not None:
+                    _positions.seq_len_for(False, seq_len, 0)
+                if kind == INT:
+                    if not 0 <= pos < plan.rows:
+                        return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    positions = pos
+                elif kind == NONE:
+                    positions = default
+                else:
+                    positions = pos.reshape(-1) if flatten else pos
+                    if positions.dtype is not _INT64:
+                        positions = positions.astype(_INT64)
+                if mode == FRESH:
+                    result = o = empty(shape, dtype)
+                    source = x
+                elif mode == IN_PLACE:
+                    result = o = x
+                    source = None
+                else:
+                    result = o = out
+                    source = x
+                if bits is not None:
+                    source = None if source is None else source.view(bits)
+                    o = o.view(bits)
+                status = kernel(source, o, positions, plan.tables, settings + inverse)
+                if status:
+                    outs = (out,)
+                    return plan._refused(status, (x,), pos, positions, inverse, outs, seq_len)[0]
+                return result
 
         rotate.arguments = arguments
         rotate.kernel = kernel
         rotate.settings = settings
+        return rotate
+
+    def _decode_step(self, kernel, mode, shape, dtype, settings):
+        """The launch of one operand at an int position (a decode step), one closure per kind
+        of out: the general closure's tests of the kinds, written out of it."""
+        plan = self
+        empty = np.empty
+
+        def checked(inverse, seq_len):
+            if seq_len is not None:
+                _positions.seq_len_for(False, seq_len, 0)
+            return check_inverse(inverse)
+
+        if mode == FRESH:
+
+            def rotate(x, pos, inverse, out, seq_len):
+                if (inverse is not False and inverse is not True) or seq_len is not None:
+                    inverse = checked(inverse, seq_len)
+                if not 0 <= pos < plan.rows:
+                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                result = empty(shape, dtype)
+                if kernel(x, result, pos, plan.tables, settings + inverse):
+                    return plan._refused(1, (x,), pos, pos, inverse, (out,), seq_len)[0]
+                return result
+
+        elif mode == IN_PLACE:
+
+            def rotate(x, pos, inverse, out, seq_len):
+                if (inverse is not False and inverse is not True) or seq_len is not None:
+                    inverse = checked(inverse, seq_len)
+                if not 0 <= pos < plan.rows:
+                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                if kernel(None, x, pos, plan.tables, settings + inverse):
+                    return plan._refused(1, (x,), pos, pos, inverse, (out,), seq_len)[0]
+                return x
+
+        else:
+
+            def rotate(x, pos, inverse, out, seq_len):
+                if (inverse is not False and inverse is not True) or seq_len is not None:
+                    inverse = checked(inverse, seq_len)
+                if not 0 <= pos < plan.rows:
+                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                status = kernel(x, out, pos, plan.tables, settings + inverse)
+                if status:
+                    return plan._refused(status, (x,), pos, pos, inverse, (out,), seq_len)[0]
+                return out
+
         return rotate
 
     def _one(self, launch):
