@@ -3,6 +3,7 @@
 from . import scaling
 from ._api import rotate, rotate_qk
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
+from ._warmup import warmup
 from .rope import RoPE
 
 __version__ = "0.1.0"
@@ -15,4 +16,5 @@ __all__ = [
     "rotate",
     "rotate_qk",
     "scaling",
+    "warmup",
 ]

@@ -1,0 +1,110 @@
+"""Compile the common CPU kernel variants ahead of use, into Numba's disk cache.
+
+Each kernel variant compiles on first use, in every fresh environment (a container, CI, a new
+Numba version). ``python -m arrayrope warmup`` (or :func:`warmup`) makes those first calls once,
+at build time, so that later processes load the kernels from the cache instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ._errors import RopeValueError
+
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _calls(rope, dtype):
+    """(variant, call) pairs: every kernel a decode loop, a prefill and a training step meet."""
+    rng = np.random.default_rng(0)
+    step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
+    cache = np.zeros((1, 8, 16, rope.head_dim), dtype)  # a KV cache, rows written in place
+    chunk = rng.standard_normal((1, 8, 16, rope.head_dim)).astype(dtype)
+    large = rng.standard_normal((2, 8, 1024, rope.head_dim)).astype(dtype)
+    return [
+        ("decode step, new result", lambda: rope.rotate(step, 5)),
+        ("decode step, in place", lambda: rope.rotate(cache[:, :, 0:1], 5, out=cache[:, :, 0:1])),
+        ("decode step, into a KV-cache slice", lambda: rope.rotate(step, 5, out=cache[:, :, 5:6])),
+        ("decode step, position array", lambda: rope.rotate(step, np.array([5]))),
+        ("prefill chunk, rotate_qk", lambda: rope.rotate_qk(chunk, chunk[:, :2], np.arange(16))),
+        ("one thread, real positions", lambda: rope.rotate(chunk, np.arange(16) + 0.5)),
+        ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
+        ("parallel, in place", lambda: rope.rotate(large, out=large)),
+    ]
+
+
+def warmup(
+    dtypes: tuple[str, ...] | None = None,
+    *,
+    head_dim: int = 128,
+    progress: Callable[[str], object] | None = print,
+) -> float:
+    """Compile the common CPU kernel variants into Numba's disk cache.
+
+    Parameters
+    ----------
+    dtypes : tuple of {"float16", "bfloat16", "float32", "float64"}, optional
+        The dtypes to compile for (default: all four; bfloat16 where ml_dtypes is installed).
+    head_dim : int
+        The head size of the calls made (the kernels serve every head size).
+    progress : callable, optional
+        Called with one line per variant (``print`` by default; None for silence).
+
+    Returns
+    -------
+    float
+        The seconds it took.
+    """
+    import arrayrope as ar
+
+    if dtypes is None:
+        dtypes = tuple(d for d in _DTYPES if d != "bfloat16" or _has_ml_dtypes())
+    unknown = [d for d in dtypes if d not in _DTYPES]
+    if unknown:
+        raise RopeValueError(f"dtypes must be among {_DTYPES}, got {unknown}")
+    start = time.perf_counter()
+    rope = ar.RoPE(head_dim)
+    for name in dtypes:
+        dtype = _dtype(name)
+        for variant, call in _calls(rope, dtype):
+            began = time.perf_counter()
+            call()
+            if progress is not None:
+                progress(f"{name:9s} {variant:36s} {time.perf_counter() - began:6.1f} s")
+    return time.perf_counter() - start
+
+
+def _has_ml_dtypes():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["warmup"]:
+        print("usage: python -m arrayrope warmup [DTYPE ...]", file=sys.stderr)
+        return 2
+    from .backends.cpu._config import DISK_CACHE
+
+    if not DISK_CACHE:
+        print("the disk cache is off (ARRAYROPE_NUMBA_CACHE=0 or ARRAYROPE_SOFT_F16=1): "
+              "nothing would be kept", file=sys.stderr)  # fmt: skip
+        return 1
+    seconds = warmup(tuple(argv[1:]) or None)
+    print(f"compiled in {seconds:.1f} s; later processes load these kernels from the cache")
+    return 0

@@ -1,0 +1,34 @@
+"""python -m arrayrope warmup: one line per variant, and the kernels then load from the cache."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import arrayrope as ar
+
+
+def test_warmup_reports_every_variant():
+    lines = []
+    seconds = ar.warmup(("float32",), head_dim=16, progress=lines.append)
+    assert seconds > 0 and len(lines) == 8
+    assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
+    with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
+        ar.warmup(("int8",))
+
+
+def test_the_command_fills_an_empty_cache(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "arrayrope", "warmup", "float64"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("float64 ") == 8 and "compiled in" in done.stdout
+    assert any(name.endswith(".nbc") for _, _, files in os.walk(tmp_path) for name in files)
+    usage = subprocess.run([sys.executable, "-m", "arrayrope"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage" in usage.stderr
