@@ -7,6 +7,8 @@ nvcc is on the build machines, g++ on most; where either is missing its tests sk
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,3 +328,35 @@ def test_source_on_the_host_matches_the_cpu_kernel_on_any_layout(host_kernels, c
         if c["dtype"].itemsize == 2:  # one rounding of the same float32 value as the CPU's
             cpu = ar.rotate(x, pos, inverse=c["inverse"], **kw)
             np.testing.assert_array_equal(bits(y), bits(cpu))
+
+
+MISALIGNED_LAUNCH = """
+import ctypes, sys
+import numpy as np
+from host_cuda import run_kernel
+
+library = ctypes.CDLL(sys.argv[1])
+raw = np.zeros(4096, np.uint8)
+odd = raw[2:2 + 64 * 4].view(np.float32)  # float32 two bytes off
+table = np.zeros((4, 32), np.float32)
+g = np.zeros((2, 4, 2), np.int64)
+g[0, 0, 0], g[0, 1, 0], g[0, 2, 0] = 1, 64, 64
+args = (odd, odd, np.zeros(1, np.int64), odd, odd, np.zeros(1, np.int64), g, np.int32(1),
+        table, table, np.zeros(32, np.int32), np.int32(64), np.int32(64), np.float32(1.0),
+        np.int32(0), np.int64(1), np.int64(0))
+run_kernel(library, "rope_float32_interleaved", (1,), (32, 8), args, lambda a: a.ctypes.data)
+print("no fault")
+"""
+
+
+def test_the_host_build_faults_on_a_misaligned_access(host_kernels):
+    # what a device raises (CUDA_ERROR_MISALIGNED_ADDRESS) the host build's sanitizer does too
+    done = subprocess.run(
+        [sys.executable, "-c", MISALIGNED_LAUNCH, host_kernels._name],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "no fault" not in done.stdout
+    assert "misaligned address" in done.stderr
