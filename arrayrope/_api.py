@@ -20,7 +20,9 @@ def shared_rope(head_dim, base, style, rotary_dim, scaling):
         rope = _shared.get(key)
     except TypeError:  # an unhashable argument: let the constructor name it
         return RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
-    if rope is None:
+    if rope is None or (rotary_dim is not None and type(rotary_dim) is not int):
+        # the constructor checks every argument (a float rotary_dim equal to an int's finds
+        # that int's RoPE, and is refused here)
         rope = RoPE(head_dim, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
         _shared.put(key, rope)
     return rope
@@ -90,6 +92,8 @@ def rotate(
         rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):  # the slow way below says what is wrong
         rope = None
+    if rotary_dim is not None and type(rotary_dim) is not int:
+        rope = None  # 4.0 finds rotary_dim 4's RoPE; the constructor refuses it
     if rope is None:
         rope = shared_rope(_head_dim("x", x), base, style, rotary_dim, scaling)
     if head_axis is not None:
@@ -113,7 +117,7 @@ def rotate_qk(
     scaling: ScalingRule | None = None,
     seq_len: int | None = None,
 ) -> tuple[Array, Array]:
-    """Rotate queries and keys by the same positions in one launch; returns (q_rot, k_rot).
+    """Rotate queries and keys by the same positions in one call; returns (q_rot, k_rot).
 
     q (..., Hq, T, d) and k (..., Hk, T, d) may differ in head count and may be views into one
     fused QKV buffer. The configuration is :func:`rotate`'s, the rest
@@ -122,6 +126,8 @@ def rotate_qk(
     try:
         rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):
+        rope = None
+    if rotary_dim is not None and type(rotary_dim) is not int:
         rope = None
     if rope is None:
         rope = shared_rope(_head_dim("q", q), base, style, rotary_dim, scaling)

@@ -15,6 +15,7 @@ from ._arrays import CUPY, FOREIGN, NUMPY
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
 from ._positions import ARRAY, INT, NONE
+from ._tables import gather
 
 _NDARRAY = np.ndarray
 
@@ -60,14 +61,15 @@ def _outs_key(xs, outs):
 class Engine:
     """Plans and the one path for the calls on one RoPE (``spec``, and ``freq_set(seq_len)``
     giving the frequencies and tables for a length). ``owner`` is the RoPE, which Dask graphs
-    carry to their workers."""
+    carry to their workers, and ``mode`` names this engine among its (rotate, shift, undo)."""
 
-    __slots__ = ("spec", "freq_set", "owner", "plans")
+    __slots__ = ("spec", "freq_set", "owner", "mode", "plans")
 
-    def __init__(self, spec, freq_set, owner):
+    def __init__(self, spec, freq_set, owner, mode):
         self.spec = spec
         self.freq_set = freq_set
         self.owner = owner
+        self.mode = mode
         self.plans = Bounded(256)
 
     def rotate(self, x, pos, inverse, out, backend, seq_len):
@@ -164,7 +166,9 @@ class Engine:
         path, and handed back as their own type; Dask arrays as a lazy graph."""
         names = ("x",) if len(xs) == 1 else ("q", "k")
         if any(_interop.is_dask(x) for x in xs):
-            return _interop.rotate_dask(self.owner, xs, pos, inverse, outs, backend, seq_len)
+            return _interop.rotate_dask(
+                self.owner, self.mode, xs, pos, inverse, outs, backend, seq_len
+            )
         if outs is None and _interop.requires_grad(xs):
             return _interop.rotate_with_grad(self, xs, pos, inverse, backend, seq_len)
         natives, restores = [], []
@@ -240,8 +244,6 @@ class Engine:
         return cos, sin
 
     def _cos_sin(self, xp, tables, values, is_int, high, dtype, device):
-        from ._tables import gather
-
         cached = tables.cached(xp, device, dtype, max(int(high), 0)) if is_int else None
         if cached is not None:
             cos, sin = cached[0], cached[1]

@@ -257,12 +257,19 @@ def _host_positions(rope, pos, leads):
     return values, high
 
 
-def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
+def rotate_dask(rope, mode, xs, pos, inverse, outs, backend, seq_len):
     """Lazy rotation of dask arrays: each chunk rotated by the kernel of its chunk type (NumPy
-    or CuPy) with its own slice of positions. The feature axis is made whole first."""
+    or CuPy) with its own slice of positions, by the engine of ``mode`` (rotate, shift, undo).
+    The feature axis is made whole first."""
     import dask.array as da
 
+    from ._plan import BACKENDS
+
     # Checked now, not when a worker computes a chunk.
+    if backend not in BACKENDS:
+        raise RopeValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
     if outs is not None:
         raise RopeValueError("out is not supported for dask arrays (their results are lazy)")
     if not all(is_dask(x) for x in xs):
@@ -294,18 +301,23 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
                 + " and ".join(str(lead) for lead in leads)
             )
         dynamic = rope.scaling is not None and rope.scaling.dynamic
-        if dynamic and seq_len is None:  # one length for every chunk, from all positions
+        if seq_len is not None:
+            _positions.seq_len_for(dynamic, seq_len, 0)  # checked, whatever the positions
+        elif dynamic:  # one length for every chunk, from all positions
             seq_len = int(values.max().compute()) + 1
-        host = None
+        hosts = [None] * len(xs)
     else:
-        host, high = _host_positions(rope, pos, leads)
+        found = [_host_positions(rope, pos, [lead]) for lead in leads]  # None: each its own
+        hosts = [values for values, _ in found]
+        high = max(h for _, h in found)
         seq_len = _positions.seq_len_for(
             rope.scaling is not None and rope.scaling.dynamic, seq_len, high
         )
-        values = host
 
     results = []
-    for x in xs:
+    for x, host in zip(xs, hosts):
+        if host is not None:
+            values = host
         if len(x.chunks[-1]) > 1:
             x = x.rechunk({x.ndim - 1: -1})
         lead = x.shape[:-1]
@@ -325,7 +337,8 @@ def rotate_dask(rope, xs, pos, inverse, outs, backend, seq_len):
 
         def rotate_block(block, positions, _rope=rope):
             p = positions if _rope.n_axes > 1 else positions[..., 0]
-            return _rope.rotate(block, p, inverse=inverse, backend=backend, seq_len=seq_len)
+            engine = _rope._engine_for(mode)
+            return engine.rotate(block, p, inverse, None, backend, seq_len)
 
         results.append(da.map_blocks(rotate_block, x, aligned, dtype=x.dtype, meta=x._meta))
     return tuple(results)

@@ -19,8 +19,9 @@ import numpy as np
 from . import _arrays, _positions
 from ._arrays import CUPY, NUMPY
 from ._errors import RopeTypeError, RopeValueError
-from ._plan_rows import check_inverse, rows_plan
+from ._plan_rows import rows_plan
 from ._positions import ARRAY, INT, NONE
+from ._spec import check_inverse
 from .backends import module as backend_module
 
 BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
@@ -71,6 +72,8 @@ def _check_outs(xs, outs, array_family, names):
         for j, other in enumerate(xs):
             if out is other and i != j and out.size:
                 raise RopeValueError(f"{name} is {names[j]}: it would be overwritten first")
+        if i == 1 and out is outs[0] and out.size:
+            raise RopeValueError("out[0] and out[1] are one array: k would overwrite q")
         if _arrays.self_overlapping(out):
             raise RopeValueError(
                 f"{name} has elements that share memory (strides {out.strides} for shape "
@@ -195,9 +198,7 @@ class GeneralPlan:
         if self.family == CUPY:
             from .backends.cuda._device import device_rows
 
-            moved = [device_rows(xp, self._device(), idx, cos, sin) for idx in idxs]
-            idxs = [m[0] for m in moved]
-            cos, sin = moved[0][1], moved[0][2]
+            idxs, cos, sin = device_rows(xp, self._device(), idxs, cos, sin)
         if outs is None:
             results = tuple(xp.empty_like(x) for x in xs)
             in_place = (False,) * len(xs)

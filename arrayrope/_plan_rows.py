@@ -17,19 +17,13 @@ import numpy as np
 
 from . import _arrays, _positions
 from ._arrays import NUMPY
-from ._errors import RopeTypeError
 from ._positions import ARRAY, INT, NONE
+from ._spec import check_inverse
 from .backends import module as backend_module
 
 _INT64 = np.dtype(np.int64)
 _F16 = np.dtype(np.float16)
 FRESH, IN_PLACE, INTO_OUT = 0, 1, 2
-
-
-def check_inverse(inverse):
-    if isinstance(inverse, (bool, np.bool_)):
-        return bool(inverse)
-    raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
 
 
 def rows_plan(engine, xs, outs, kind, pos, general):
@@ -58,7 +52,7 @@ def rows_plan(engine, xs, outs, kind, pos, general):
 
 class RowsPlan:
     __slots__ = ("general", "kind", "tables", "rows", "table_source", "table_dtype", "cpu")
-    __slots__ += ("rotate", "run")
+    __slots__ += ("highest_default", "rotate", "run")
 
     def __init__(self, engine, xs, outs, kind, pos, patterns, general, cpu):
         self.general = general
@@ -75,6 +69,8 @@ class RowsPlan:
             settings = cpu.settings(spec.rotary_dim, spec.half_style, False, repeat)
             default = _positions.defaults(x.shape[-2]).reshape(-1) if x.ndim > 1 else 0
             launches.append(self._launch(x, out, kind, pos, mode, flatten, default, settings))
+        # default positions: each operand its own 0..T-1, the longest read in full
+        self.highest_default = max(x.shape[-2] if x.ndim > 1 else 1 for x in xs) - 1
         self.rotate = launches[0] if len(xs) == 1 else None
         self.run = self._operands(launches) if len(xs) == 2 else self._one(launches[0])
 
@@ -90,6 +86,12 @@ class RowsPlan:
         empty = np.empty
         plan = self
 
+        # Positions reach the kernel as C-order int64, so that the entry point's type holds for
+        # every array of the key (a wrapped uint64 turns negative: refused, then reported).
+        convert = kind == ARRAY and not (
+            pos.dtype == _INT64 and (pos.ndim == 1 or flatten) and pos.flags.c_contiguous
+        )
+
         def arguments(x, pos, out):
             if kind == INT:
                 positions = pos
@@ -97,8 +99,8 @@ class RowsPlan:
                 positions = default
             else:
                 positions = pos.reshape(-1) if flatten else pos
-                if positions.dtype is not _INT64:
-                    positions = positions.astype(_INT64)  # a wrapped uint64 turns negative
+                if convert:
+                    positions = np.ascontiguousarray(positions, dtype=_INT64)
             if mode == FRESH:
                 result = o = empty(shape, dtype)
                 source = x
@@ -116,8 +118,8 @@ class RowsPlan:
         _, *probe = arguments(x, pos if kind != INT else 0, out)
         kernel = self.cpu.rows_entry(*probe, self.tables, settings)
 
-        if kind == INT and bits is None:
-            rotate = self._decode_step(kernel, mode, shape, dtype, settings)
+        if kind == INT:
+            rotate = self._decode_step(kernel, mode, shape, dtype, settings, bits)
         else:
 
             def rotate(x, pos, inverse, out, seq_len):
@@ -134,8 +136,8 @@ class RowsPlan:
                     positions = default
                 else:
                     positions = pos.reshape(-1) if flatten else pos
-                    if positions.dtype is not _INT64:
-                        positions = positions.astype(_INT64)
+                    if convert:
+                        positions = np.ascontiguousarray(positions, dtype=_INT64)
                 if mode == FRESH:
                     result = o = empty(shape, dtype)
                     source = x
@@ -159,11 +161,12 @@ class RowsPlan:
         rotate.settings = settings
         return rotate
 
-    def _decode_step(self, kernel, mode, shape, dtype, settings):
+    def _decode_step(self, kernel, mode, shape, dtype, settings, bits):
         """The launch of one operand at an int position (a decode step), one closure per kind
         of out: the general closure's tests of the kinds, written out of it."""
         plan = self
         empty = np.empty
+        outside = self.cpu.POSITION_OUTSIDE_TABLE
 
         def checked(inverse, seq_len):
             if seq_len is not None:
@@ -178,8 +181,13 @@ class RowsPlan:
                 if not 0 <= pos < plan.rows:
                     return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
                 result = empty(shape, dtype)
-                if kernel(x, result, pos, plan.tables, settings + inverse):
-                    return plan._refused(1, (x,), pos, pos, inverse, (out,), seq_len)[0]
+                if bits is None:
+                    status = kernel(x, result, pos, plan.tables, settings + inverse)
+                else:
+                    o = result.view(bits)
+                    status = kernel(x.view(bits), o, pos, plan.tables, settings + inverse)
+                if status:
+                    return plan._refused(outside, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return result
 
         elif mode == IN_PLACE:
@@ -189,8 +197,9 @@ class RowsPlan:
                     inverse = checked(inverse, seq_len)
                 if not 0 <= pos < plan.rows:
                     return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
-                if kernel(None, x, pos, plan.tables, settings + inverse):
-                    return plan._refused(1, (x,), pos, pos, inverse, (out,), seq_len)[0]
+                o = x if bits is None else x.view(bits)
+                if kernel(None, o, pos, plan.tables, settings + inverse):
+                    return plan._refused(outside, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return x
 
         else:
@@ -200,7 +209,11 @@ class RowsPlan:
                     inverse = checked(inverse, seq_len)
                 if not 0 <= pos < plan.rows:
                     return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
-                status = kernel(x, out, pos, plan.tables, settings + inverse)
+                if bits is None:
+                    status = kernel(x, out, pos, plan.tables, settings + inverse)
+                else:
+                    o = out.view(bits)
+                    status = kernel(x.view(bits), o, pos, plan.tables, settings + inverse)
                 if status:
                     return plan._refused(status, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return out
@@ -216,8 +229,8 @@ class RowsPlan:
     def _operands(self, launches):
         """q and k, each launched in turn. Everything that could stop a launch is settled
         before the first: the pairs of arrays that might share memory here (the general plan
-        tells exactly), and the positions by the first launch, which reads the same values as
-        the second."""
+        tells exactly), default positions against the table by the longest operand's, and
+        given positions by the first launch, which reads the same values as the second."""
         plan = self
         share = np.may_share_memory
 
@@ -228,6 +241,8 @@ class RowsPlan:
                 _positions.seq_len_for(False, seq_len, 0)
             if plan.kind == INT and not 0 <= pos < plan.rows:
                 return plan._grow(pos, xs, pos, inverse, outs, seq_len)
+            if plan.kind == NONE and plan.highest_default >= plan.rows:
+                return plan._grow(plan.highest_default, xs, pos, inverse, outs, seq_len)
             if outs is not None:
                 for i, out in enumerate(outs):
                     for other in xs + outs[i + 1 :]:
@@ -265,7 +280,8 @@ class RowsPlan:
         if status == self.cpu.POSITION_OUTSIDE_TABLE:
             if self.kind == INT:
                 return self._grow(pos, xs, pos, inverse, outs, seq_len)
-            _, _, high = _positions.check_values(np.asarray(positions))
+            given = pos if self.kind == ARRAY else positions  # as the caller passed them
+            _, _, high = _positions.check_values(np.asarray(given))
             return self._grow(high, xs, pos, inverse, outs, seq_len)
         outs = None if outs is None or outs[0] is None else outs
         return self.general.run(xs, pos, inverse, outs, seq_len)

@@ -1,5 +1,6 @@
-"""A RoPE's fixed configuration: the checks of the constructor arguments, and the frozen spec
-that plans and kernels read (never the RoPE object itself)."""
+"""A RoPE's fixed configuration: the checks of its arguments (the constructors' and the calls'
+that are not about arrays), and the frozen spec that plans and kernels read (never the RoPE
+object itself)."""
 
 import dataclasses
 import math
@@ -7,6 +8,7 @@ import operator
 
 import numpy as np
 
+from . import _arrays, _interop
 from ._errors import RopeTypeError, RopeValueError
 
 STYLES = ("interleaved", "half")
@@ -89,3 +91,58 @@ class Spec:
     pair_axis: np.ndarray  # int64 (rotary_dim // 2,): the position axis of each pair
     segments: np.ndarray  # int64 (runs, 3): runs of pairs on one axis, (first, stop, axis)
     dynamic: bool  # frequencies depend on the current length (DynamicNTK, LongRoPE)
+
+
+def check_inverse(inverse):
+    if isinstance(inverse, (bool, np.bool_)):
+        return bool(inverse)
+    raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
+
+
+def with_head_axis(pos, head_axis, x, n_axes):
+    """``pos`` with an axis of size 1 at ``x``'s axis ``head_axis`` (which it must lack)."""
+    shape = getattr(x, "shape", None)
+    if not isinstance(shape, tuple):
+        raise RopeTypeError(f"head_axis needs an x with a shape, got {_arrays.describe(x)}")
+    try:
+        axis = operator.index(head_axis) if not isinstance(head_axis, bool) else None
+    except TypeError:
+        axis = None
+    lead = len(shape) - 1
+    if axis is None or not -len(shape) <= axis < lead:
+        raise RopeValueError(
+            f"head_axis must be an axis of x's leading shape {shape[:-1]} (0 to {lead - 1}, or "
+            f"negative from the end of x's shape), got {head_axis!r}"
+        )
+    axis %= len(shape)
+    if pos is None or not hasattr(pos, "ndim") and np.ndim(pos) == 0:
+        raise RopeValueError("head_axis applies to array positions, got " + repr(pos))
+    if not hasattr(pos, "ndim"):
+        pos = np.asarray(pos)
+    wanted = lead - 1 + (n_axes > 1)
+    if pos.ndim != wanted:
+        raise RopeValueError(
+            f"with head_axis={head_axis}, pos must have x's leading axes but that one "
+            f"({wanted} axes{' with the trailing n_axes' if n_axes > 1 else ''}), got shape "
+            f"{tuple(pos.shape)}"
+        )
+    return pos[(slice(None),) * axis + (None,)]
+
+
+def signed(delta):
+    """(|delta|, whether delta is negative) for a move of one sign."""
+    if isinstance(delta, (int, float, np.integer, np.floating)) and not isinstance(delta, bool):
+        return (-delta, True) if delta < 0 else (delta, False)
+    values = _interop.native_positions(delta)
+    if not _arrays.family(values):
+        values = np.asarray(values)
+    if values.dtype.kind not in "iuf" or values.size == 0:
+        return values, False
+    low, high = values.min(), values.max()
+    low, high = (float(v) for v in (low, high))
+    if low < 0 < high:
+        raise RopeValueError(
+            f"delta must move every row one way, got moves from {low} to {high}: shift the "
+            "forward and backward rows in two calls"
+        )
+    return (-values, True) if low < 0 else (values, False)

@@ -32,6 +32,15 @@ def _angles_to_tables(xp, angles, scale, dtype):
     return tables.astype(dtype, copy=False)
 
 
+class FreqSet:
+    """One set of pair frequencies with its attention scaling and cos/sin tables."""
+
+    def __init__(self, inv_freq, pair_axis, attention_scaling, max_rows):
+        self.inv_freq = inv_freq
+        self.attention_scaling = float(attention_scaling)
+        self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
+
+
 class CosSinTables:
     """The cache and the exact tables of one frequency set.
 

@@ -7,7 +7,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _arrays, _interop
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._errors import RopeTypeError, RopeValueError
@@ -19,9 +18,11 @@ from ._spec import (
     frozen,
     int_arg,
     segments,
+    signed,
     style_arg,
+    with_head_axis,
 )
-from ._tables import CosSinTables
+from ._tables import FreqSet
 from .scaling import ScalingRule, plain_inv_freq
 
 Array = TypeVar("Array")  # a NumPy, CuPy, Dask or DLPack array: results have its type
@@ -31,55 +32,6 @@ Positions = Any  # an int, a float, None, or an array of them (NumPy, CuPy, DLPa
 _ROTATE, _SHIFT, _UNDO = "rotate", "shift", "undo"
 
 _restored = Bounded(64)
-
-
-def with_head_axis(pos, head_axis, x, n_axes):
-    """``pos`` with an axis of size 1 at ``x``'s axis ``head_axis`` (which it must lack)."""
-    shape = getattr(x, "shape", None)
-    if not isinstance(shape, tuple):
-        raise RopeTypeError(f"head_axis needs an x with a shape, got {_arrays.describe(x)}")
-    try:
-        axis = int(head_axis) if not isinstance(head_axis, bool) else None
-    except (TypeError, ValueError):
-        axis = None
-    lead = len(shape) - 1
-    if axis is None or not -len(shape) <= axis < lead:
-        raise RopeValueError(
-            f"head_axis must be an axis of x's leading shape {shape[:-1]} (0 to {lead - 1}, or "
-            f"negative from the end of x's shape), got {head_axis!r}"
-        )
-    axis %= len(shape)
-    if pos is None or not hasattr(pos, "ndim") and np.ndim(pos) == 0:
-        raise RopeValueError("head_axis applies to array positions, got " + repr(pos))
-    if not hasattr(pos, "ndim"):
-        pos = np.asarray(pos)
-    wanted = lead - 1 + (n_axes > 1)
-    if pos.ndim != wanted:
-        raise RopeValueError(
-            f"with head_axis={head_axis}, pos must have x's leading axes but that one "
-            f"({wanted} axes{' with the trailing n_axes' if n_axes > 1 else ''}), got shape "
-            f"{tuple(pos.shape)}"
-        )
-    return pos[(slice(None),) * axis + (None,)]
-
-
-def signed(delta):
-    """(|delta|, whether delta is negative) for a move of one sign."""
-    if isinstance(delta, (int, float, np.integer, np.floating)) and not isinstance(delta, bool):
-        return (-delta, True) if delta < 0 else (delta, False)
-    values = _interop.native_positions(delta)
-    if not _arrays.family(values):
-        values = np.asarray(values)
-    if values.dtype.kind not in "iuf" or values.size == 0:
-        return values, False
-    low, high = values.min(), values.max()
-    low, high = (float(v) for v in (low, high))
-    if low < 0 < high:
-        raise RopeValueError(
-            f"delta must move every row one way, got moves from {low} to {high}: shift the "
-            "forward and backward rows in two calls"
-        )
-    return (-values, True) if low < 0 else (values, False)
 
 
 def _restore(config):
@@ -100,15 +52,6 @@ def _restore(config):
         )
         rope = _restored.put(config, rope)
     return rope
-
-
-class FreqSet:
-    """One set of pair frequencies with its attention scaling and cos/sin tables."""
-
-    def __init__(self, inv_freq, pair_axis, attention_scaling, max_rows):
-        self.inv_freq = inv_freq
-        self.attention_scaling = float(attention_scaling)
-        self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
 
 
 class RoPE:
@@ -208,14 +151,14 @@ class RoPE:
         self._sets = Bounded(64)
         self._lock = threading.Lock()
         self._default = self._freq_set(None)
-        self._engine = Engine(self._spec, self._freq_set, self)
+        self._engine = Engine(self._spec, self._freq_set, self, _ROTATE)
         self._engines = {_ROTATE: self._engine}
 
     def _engine_for(self, mode):
         """The engine whose tables carry ``mode``'s scale (see _SHIFT, _UNDO)."""
         engine = self._engines.get(mode)
         if engine is None:
-            engine = Engine(self._spec, lambda seq_len: self._freq_set(seq_len, mode), self)
+            engine = Engine(self._spec, lambda seq_len: self._freq_set(seq_len, mode), self, mode)
             engine = self._engines.setdefault(mode, engine)
         return engine
 
@@ -499,7 +442,8 @@ class RoPE:
         backend: str = "auto",
         seq_len: int | None = None,
     ) -> tuple[Array, Array]:
-        """Rotate queries and keys by the same positions, in one launch.
+        """Rotate queries and keys by the same positions, in one call (one kernel launch for
+        both, beyond decode sizes).
 
         Parameters
         ----------

@@ -326,3 +326,14 @@ def test_launches_run_on_the_current_stream(cp, rng):
         ar.rotate_qk(x, x, 3)
     ar.rotate(x, 4)
     assert module.streams == [0, stream.ptr, stream.ptr, 0]
+
+
+def test_operands_with_their_own_rows_past_the_cache(cp, rng):
+    # q one token, k ten, past a cache of four rows: exact rows, each operand its own
+    rope = ar.RoPE(8, max_positions=4)
+    q = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 10, 8)).astype(np.float32)
+    for backend in ("cupy", "numpy"):
+        q_rot, k_rot = rope.rotate_qk(cp.asarray(q), cp.asarray(k), backend=backend)
+        np.testing.assert_allclose(q_rot.get(), oracle(q), rtol=0, atol=3e-6)
+        np.testing.assert_allclose(k_rot.get(), oracle(k), rtol=0, atol=3e-6)

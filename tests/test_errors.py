@@ -180,3 +180,31 @@ def test_outputs_whose_elements_share_memory_are_refused():
         ar.rotate(in_place, 1, out=in_place)
     np.testing.assert_array_equal(x, before)
     assert (shared == 0).all() and (in_place == 1).all()
+
+
+def test_one_array_for_both_outs_is_refused():
+    q, k = np.ones((1, 2, 1, 8), np.float32), np.ones((1, 2, 1, 8), np.float32)
+    out = np.zeros_like(q)
+    for backend in ("numba", "numpy"):
+        with pytest.raises(RopeValueError, match=r"out\[0\] and out\[1\] are one array"):
+            ar.rotate_qk(q, k, 5, out=(out, out), backend=backend)
+    assert (out == 0).all()
+
+
+def test_errors_do_not_depend_on_earlier_calls():
+    x = np.ones((2, 8), np.float32)
+    ar.rotate(x, rotary_dim=4)  # a float equal to it must not find this RoPE
+    with pytest.raises(RopeTypeError, match="rotary_dim must be an int, got 4.0"):
+        ar.rotate(x, rotary_dim=4.0)
+    with pytest.raises(RopeTypeError, match="rotary_dim must be an int, got 4.0"):
+        ar.rotate_qk(x, x, rotary_dim=4.0)
+    for axis in ("0", 0.5, True):
+        with pytest.raises(RopeValueError, match="head_axis must be an axis"):
+            ar.rotate(x, np.arange(2), head_axis=axis)
+
+
+def test_huge_unsigned_positions_are_named_as_given():
+    x = np.ones((1, 8), np.float32)
+    for backend in ("numba", "numpy"):
+        with pytest.raises(RopeValueError, match=r"below 2\*\*31, got 9223372036854775813"):
+            ar.rotate(x, np.array([2**63 + 5], np.uint64), backend=backend)

@@ -248,6 +248,22 @@ def test_dask_on_a_cluster_matches_in_memory(client, case):
     np.testing.assert_array_equal(bits(client.compute(lazy).result()), bits(expected))
 
 
+def test_dask_shift_unrotate_and_each_operands_own_default_positions():
+    da = pytest.importorskip("dask.array", reason="dask is not installed")
+    from arrayrope.scaling import YaRN
+
+    rope = ar.RoPE(16, scaling=YaRN(4.0, 32))
+    x = np.random.default_rng(0).standard_normal((2, 6, 16))
+    lazy = da.from_array(x, chunks=(1, 3, 16))
+    np.testing.assert_allclose(rope.shift(lazy, 5).compute(), rope.shift(x, 5), atol=1e-12)
+    pos = np.arange(6)
+    np.testing.assert_allclose(rope.unrotate(lazy, pos).compute(), rope.unrotate(x, pos))
+    q, k = x[:, :1], x  # q one token, k six: pos=None gives each its own 0..T-1
+    q_rot, k_rot = ar.rotate_qk(da.from_array(q), da.from_array(k, chunks=(1, 2, 16)))
+    np.testing.assert_allclose(k_rot.compute(), ar.rotate(k), atol=1e-12)
+    np.testing.assert_allclose(q_rot.compute(), ar.rotate(q), atol=1e-12)
+
+
 def test_dask_errors():
     import dask.array as da
 

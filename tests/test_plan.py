@@ -133,3 +133,23 @@ def test_changing_the_config_drops_plans(cpu_config):
     cpu_config(small_below=0)
     assert not rope._engine.plans
     assert _plan_of(rope, lambda: rope.rotate(x, 1)) is GeneralPlan
+
+
+def test_positions_of_equal_dtypes_share_a_plan_safely(rng):
+    # 'q' and 'l' are one int64 dtype by equality (one key) but not by identity
+    rope = ar.RoPE(8)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    base = rng.integers(0, 1000, 6)
+    for p in (base.astype("q")[::2], base.astype(np.int64)[::2], base.astype("q")[::2]):
+        np.testing.assert_array_equal(rope.rotate(x, p), rope.rotate(x, p, backend="numpy"))
+
+
+@pytest.mark.parametrize("max_positions", [None, 10])
+def test_default_positions_of_a_longer_k_are_checked_before_q_is_written(max_positions, rng):
+    rope = ar.RoPE(8, max_positions=max_positions)
+    q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 300, 8)).astype(np.float32)
+    want_q, want_k = ar.RoPE(8).rotate(q), ar.RoPE(8).rotate(k)
+    got = rope.rotate_qk(q, k, out=(q, k))
+    np.testing.assert_array_equal(got[0], want_q)
+    np.testing.assert_array_equal(got[1], want_k)

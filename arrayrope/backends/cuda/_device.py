@@ -25,17 +25,25 @@ def on_device(cupy, device, key, host):
     return found
 
 
-def device_rows(cupy, device, idx, cos, sin):
-    """Row indices on the current device, and the tables they index. Default positions (an
-    arange arrayrope keeps) are copied once per device; a single position is a zero row index
-    into its own row of the tables (a view), so a decode step copies nothing to the device. Any
-    other host idx is copied; device positions are copied only where their start is not
-    aligned to their element size, which a GPU's typed loads require."""
-    if not isinstance(idx, np.ndarray):  # device positions: a fresh copy where misaligned
-        return (idx.copy() if idx.data.ptr % idx.itemsize else idx), cos, sin
+def device_rows(cupy, device, idxs, cos, sin):
+    """Row indices on the current device, one per operand, and the tables they index. Default
+    positions (an arange arrayrope keeps) are copied once per device; a single position shared
+    by every operand is a zero row index into its own row of the tables (a view), so a decode
+    step copies nothing to the device. Any other host idx is copied; device positions are
+    copied only where their start is not aligned to their element size, which a GPU's typed
+    loads require."""
+    first = idxs[0]
+    if all(idx is first for idx in idxs) and isinstance(first, np.ndarray):
+        if first.shape == (1, 1) and not is_default(first):
+            p = int(first[0, 0])
+            zero = on_device(cupy, device, "zero", _ZERO)
+            return [zero] * len(idxs), cos[p : p + 1], sin[p : p + 1]
+    return [_on_device(cupy, device, idx) for idx in idxs], cos, sin
+
+
+def _on_device(cupy, device, idx):
+    if not isinstance(idx, np.ndarray):
+        return idx.copy() if idx.data.ptr % idx.itemsize else idx
     if is_default(idx):
-        return on_device(cupy, device, ("arange", idx.shape[0]), idx), cos, sin
-    if idx.shape == (1, 1):
-        p = int(idx[0, 0])
-        return on_device(cupy, device, "zero", _ZERO), cos[p : p + 1], sin[p : p + 1]
-    return cupy.asarray(idx), cos, sin
+        return on_device(cupy, device, ("arange", idx.shape[0]), idx)
+    return cupy.asarray(idx)
