@@ -340,3 +340,53 @@ def test_bfloat16_result_rounding_matches_ml_dtypes():
     nan = np.isnan(expected)
     assert (np.isnan(got) == nan).all()
     np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+WIDTH_CHECK = """
+import numpy as np, ml_dtypes, arrayrope as ar
+from arrayrope.backends.cpu import _config
+assert _config.VECTOR_BYTES == {width} and not _config.DISK_CACHE
+rng = np.random.default_rng(0)
+for stream_above in (0, 1 << 62):  # streaming stores, then plain ones (the direct path's both)
+    with _config.override(stream_above=stream_above, small_below=0, serial_below=0):
+        for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):  # float64: float32's loop
+            for style in ("interleaved", "half"):
+                # rotary dims whose pair blocks leave every mix of 64-, 32- and 16-byte steps
+                for rotary_dim in (128, 112, 96, 80, 64, 48, 32, 16):
+                    x = rng.standard_normal((2, 4, 9, 128)).astype(dtype)
+                    rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim)
+                    want = rope.rotate(x, 7, backend="numpy").view(np.uint8)
+                    buffer = np.full((2, 4, 9, 128 + 16), np.nan, dtype)
+                    out = buffer[..., 8:136]
+                    rope.rotate(x, 7, out=out)
+                    assert (out.view(np.uint8) == want).all(), (dtype, style, rotary_dim)
+                    assert np.isnan(buffer[..., :8].astype(np.float32)).all()
+                    assert np.isnan(buffer[..., 136:].astype(np.float32)).all()
+                    if dtype == ml_dtypes.bfloat16:  # in place: the loop's other compiled case
+                        y = x.copy()
+                        rope.rotate(y, 7, out=y)
+                        assert (y.view(np.uint8) == want).all(), ("in place", style, rotary_dim)
+print("widths ok")
+"""
+
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_every_vector_width_writes_the_reference_bits(width):
+    # Steps sized from the host (64 bytes with AVX-512, 32 otherwise), each forced here: a
+    # vector wider than the hardware's runs in legal pieces, so both run on any x86-64.
+    if not _config.STREAMING:
+        pytest.skip("the direct path is used on x86-64 only")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ARRAYROPE_VECTOR_BYTES": str(width)}
+    done = subprocess.run(
+        [sys.executable, "-c", WIDTH_CHECK.format(width=width)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "widths ok" in done.stdout

@@ -71,9 +71,29 @@ SOFT_F16 = os.environ.get("ARRAYROPE_SOFT_F16", "0") != "0"
 # (vcvtph2ps/vcvtps2ph, round half to even). Without it LLVM would call a runtime helper that
 # Numba's JIT may not link, so other CPUs take bit arithmetic (see _convert).
 HARDWARE_F16 = not SOFT_F16 and "+f16c" in ll.get_host_cpu_features().flatten()
-# Disk cache of compiled kernels. Off when the software float16 path is forced: Numba's cache
-# key does not see that switch, and would hand back kernels built for the other one.
-DISK_CACHE = os.environ.get("ARRAYROPE_NUMBA_CACHE", "1") != "0" and not SOFT_F16
+
+
+def _vector_bytes():
+    """The widest step of the direct path's vector loop: a 64-byte step (a zmm register of
+    float32) where the CPU has AVX-512, 32 bytes otherwise. ``ARRAYROPE_VECTOR_BYTES`` (32 or 64)
+    forces one, for tests: LLVM splits a vector wider than the hardware's into legal pieces, so
+    either width runs anywhere."""
+    forced = os.environ.get("ARRAYROPE_VECTOR_BYTES")
+    if forced is not None:
+        if forced not in ("32", "64"):
+            raise ValueError(f"ARRAYROPE_VECTOR_BYTES must be 32 or 64, got {forced!r}")
+        return int(forced), True
+    features = ll.get_host_cpu_features().flatten()
+    return (64 if "+avx512f" in features and "+avx512bw" in features else 32), False
+
+
+VECTOR_BYTES, _FORCED_WIDTH = _vector_bytes()
+# Disk cache of compiled kernels. Off when the software float16 path or a vector width is
+# forced: Numba's cache key does not see those switches, and would hand back kernels built for
+# the others.
+DISK_CACHE = (
+    os.environ.get("ARRAYROPE_NUMBA_CACHE", "1") != "0" and not SOFT_F16 and not _FORCED_WIDTH
+)
 
 
 @contextlib.contextmanager

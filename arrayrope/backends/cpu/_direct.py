@@ -11,7 +11,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._config import HARDWARE_F16
+from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._simd import bfloat16_interleaved_step, copy_16, half_step, interleaved_step
 
 # Rows per block in the direct path where rows have a tail: the block's tails are copied
@@ -24,12 +24,13 @@ def _direct_rows_for(nontemporal):
     plain ones: a function ``rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin,
     rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o (``x``
     None: o in place, which only the plain-store mode is given)."""
-    half_32, half_16 = half_step(32, nontemporal), half_step(16, nontemporal)
-    shuffled = interleaved_step(32, nontemporal), interleaved_step(16, nontemporal)
-    bfloat16 = (
-        bfloat16_interleaved_step(32, nontemporal),
-        bfloat16_interleaved_step(16, nontemporal),
-    )
+    # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
+    # pair blocks are whole multiples of 16 bytes here: see launch.direct_path).
+    widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
+    half_steps = tuple(half_step(w, nontemporal) for w in widths)
+    pair_steps = tuple(interleaved_step(w, nontemporal) for w in widths)
+    bfloat16_steps = tuple(bfloat16_interleaved_step(w, nontemporal) for w in widths)
+    wide_bytes = widths[0]
     copy_16_bytes = copy_16(nontemporal)
 
     def direct_rows(
@@ -64,7 +65,10 @@ def _direct_rows_for(nontemporal):
 
             return nothing
 
-        pair_32, pair_16 = bfloat16 if o.dtype == types.uint16 else shuffled
+        three = len(widths) == 3  # else no middle step: the 32-byte one is the widest
+        steps = bfloat16_steps if o.dtype == types.uint16 else pair_steps
+        half_wide, half_32, half_16 = half_steps if three else half_steps[:1] + half_steps
+        pair_wide, pair_32, pair_16 = steps if three else steps[:1] + steps
 
         # Each row's loop is written out here, not called as an inlined helper: the helper's
         # array arguments, and table rows taken as views (cos[p]), cost reference-count calls
@@ -74,7 +78,8 @@ def _direct_rows_for(nontemporal):
         # stack.
         def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
-            wide = np.uint64(32 // o.itemsize)
+            wide = np.uint64(wide_bytes // o.itemsize)
+            mid = np.uint64(32 // o.itemsize)
             n = np.uint64(rotary_dim)
             h = n // np.uint64(2)
             block = max(run, 1) if d == rotary_dim else _TAIL_BLOCK_ROWS
@@ -87,8 +92,11 @@ def _direct_rows_for(nontemporal):
                         orow = np.uint64(ob + r * so)
                         j = np.uint64(0)
                         while j + wide <= h:
-                            half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                            half_wide(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
                             j += wide
+                        if three and j + mid <= h:
+                            half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                            j += mid
                         if j < h:
                             half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
                 else:
@@ -98,8 +106,11 @@ def _direct_rows_for(nontemporal):
                         orow = np.uint64(ob + r * so)
                         j = np.uint64(0)
                         while j + wide <= n:
-                            pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                            pair_wide(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
                             j += wide
+                        if three and j + mid <= n:
+                            pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
+                            j += mid
                         if j < n:
                             pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
                 if d > rotary_dim:
