@@ -18,9 +18,9 @@ import tempfile
 
 # (name, the call, run after `import numpy as np, arrayrope as ar`)
 CASES = [
-    ("decode, fast path (1, 32, 1, 128)", "ar.rotate(np.ones((1, 32, 1, 128), np.float32), 5)"),
+    ("decode, row kernel (1, 32, 1, 128)", "ar.rotate(np.ones((1, 32, 1, 128), np.float32), 5)"),
     (
-        "one thread, general path (1, 32, 8, 128), float positions",
+        "one thread, general kernel (1, 32, 8, 128), float positions",
         "ar.rotate(np.ones((1, 32, 8, 128), np.float32), np.arange(8.0))",
     ),
     (
@@ -30,6 +30,12 @@ CASES = [
     (
         "parallel (1, 32, 1024, 128) in place",
         "x = np.ones((1, 32, 1024, 128), np.float32); ar.rotate(x, out=x)",
+    ),
+    (
+        "the README quick start (rotate, rotate_qk half, in place)",
+        "q = np.ones((2, 32, 1024, 128), np.float32); k = np.ones((2, 8, 1024, 128), np.float32)"
+        "; p = np.arange(1024); ar.rotate(q, p); ar.rotate_qk(q, k, p, style='half')"
+        "; ar.rotate(k, p, out=k)",
     ),
 ]
 
