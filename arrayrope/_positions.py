@@ -78,10 +78,14 @@ def with_axes(values, n_axes, leads):
             )
     if not all(broadcasts(values.shape[:-1], lead) for lead in leads):
         shown = values.shape if n_axes > 1 else values.shape[:-1]
+        hint = ""
+        if len(shape) == 1 and any(len(lead) >= 2 and lead[-2] == shape[0] for lead in leads):
+            hint = "; for one position per token of (B, T, H, d), give pos[:, None]: (T, 1)"
         raise RopeValueError(
             f"pos of shape {shown} does not broadcast to the leading shape "
             + " and ".join(str(lead) for lead in leads)
             + (f" (with a trailing axis of {n_axes})" if n_axes > 1 else "")
+            + hint
         )
     return values
 
@@ -167,8 +171,8 @@ def seq_len_for(dynamic, seq_len, high):
     if not dynamic:
         if seq_len is not None:
             raise RopeValueError(
-                f"seq_len applies to length-dependent scaling rules (DynamicNTK, LongRoPE) only; "
-                f"this RoPE has none, got seq_len={seq_len!r}"
+                "seq_len applies to length-dependent scaling rules (DynamicNTK, LongRoPE) only: "
+                f"this RoPE's frequencies do not depend on the length, got seq_len={seq_len!r}"
             )
         return None
     if seq_len is None:

@@ -126,7 +126,15 @@ def with_head_axis(pos, head_axis, x, n_axes):
             f"({wanted} axes{' with the trailing n_axes' if n_axes > 1 else ''}), got shape "
             f"{tuple(pos.shape)}"
         )
-    return pos[(slice(None),) * axis + (None,)]
+    placed = pos[(slice(None),) * axis + (None,)]
+    shape = tuple(placed.shape[:-1] if n_axes > 1 else placed.shape)
+    if not all(p == 1 or p == n for p, n in zip(shape, x.shape[:-1])):
+        raise RopeValueError(
+            f"with head_axis={head_axis}, pos of shape {tuple(pos.shape)} lines up as {shape} "
+            f"against x's leading shape {tuple(x.shape[:-1])}; head_axis is the axis of x that "
+            "pos lacks (1 for (B, H, T, d), 2 for (B, T, H, d))"
+        )
+    return placed
 
 
 def signed(delta):

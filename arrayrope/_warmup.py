@@ -105,6 +105,12 @@ def main(argv=None):
         print("the disk cache is off (ARRAYROPE_NUMBA_CACHE=0 or ARRAYROPE_SOFT_F16=1): "
               "nothing would be kept", file=sys.stderr)  # fmt: skip
         return 1
-    seconds = warmup(tuple(argv[1:]) or None)
-    print(f"compiled in {seconds:.1f} s; later processes load these kernels from the cache")
+    from ._errors import RopeError
+
+    try:
+        seconds = warmup(tuple(argv[1:]) or None)
+    except RopeError as error:
+        print(f"arrayrope warmup: {error}", file=sys.stderr)
+        return 2
+    print(f"done in {seconds:.1f} s; every process loads these kernels from the cache now")
     return 0

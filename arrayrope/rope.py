@@ -365,7 +365,7 @@ class RoPE:
     def __repr__(self):
         extra = "" if self.scaling is None else f", scaling={self.scaling!r}"
         return (
-            f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base!r}, "
             f"style={self.style!r}, n_axes={self.n_axes}{extra})"
         )
 

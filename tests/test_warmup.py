@@ -28,7 +28,11 @@ def test_the_command_fills_an_empty_cache(tmp_path):
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("float64 ") == 8 and "compiled in" in done.stdout
+    assert done.stdout.count("float64 ") == 8 and "done in" in done.stdout
     assert any(name.endswith(".nbc") for _, _, files in os.walk(tmp_path) for name in files)
     usage = subprocess.run([sys.executable, "-m", "arrayrope"], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage" in usage.stderr
+    bad = [sys.executable, "-m", "arrayrope", "warmup", "float8"]
+    refused = subprocess.run(bad, capture_output=True, text=True)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "dtypes must be among" in refused.stderr
