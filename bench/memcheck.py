@@ -36,14 +36,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-CONFIGS = {
-    "one thread (default switches)": {},
-    "parallel, streaming stores": {"ARRAYROPE_SERIAL_BELOW": "0", "ARRAYROPE_STREAM_ABOVE": "0"},
-    "parallel, plain stores": {
-        "ARRAYROPE_SERIAL_BELOW": "0",
-        "ARRAYROPE_STREAM_ABOVE": str(1 << 62),
-    },
-}
 _KIND = re.compile(r"^==\d+== (Invalid (read|write|free)[^\n]*|Mismatched free[^\n]*)$")
 _LOADER = ("dl-load.c", "dl-open.c", "dl-deps.c", "ld-linux", "dl-lookup.c", "rtld.c")
 
@@ -133,7 +125,7 @@ def main():
     ]
     print("\n".join(lines), flush=True)
     bad = []
-    for name, env in CONFIGS.items():
+    for name, env in memory_cases.CONFIGS.items():
         ok, failed, found, seconds, code = run(cases, env, valgrind)
         ours = [e for e in found if not from_loader(e[1])]
         row = (

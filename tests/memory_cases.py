@@ -27,6 +27,17 @@ from guarded import guarded, span  # noqa: E402
 from oracles import BF16, assert_matches, oracle, qwen3_oracle  # noqa: E402
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+# The route configurations each worker runs under, steered by the library's switches: decode and
+# prefill sizes on one thread (the defaults), and every input on the parallel kernels with
+# streaming stores and with plain stores.
+CONFIGS = {
+    "one thread (default switches)": {},
+    "parallel, streaming stores": {"ARRAYROPE_SERIAL_BELOW": "0", "ARRAYROPE_STREAM_ABOVE": "0"},
+    "parallel, plain stores": {
+        "ARRAYROPE_SERIAL_BELOW": "0",
+        "ARRAYROPE_STREAM_ABOVE": str(1 << 62),
+    },
+}
 EDGE = 40  # max_positions of the RoPEs whose cache edge the "edge" and "past" positions probe
 
 

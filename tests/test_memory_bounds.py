@@ -24,14 +24,7 @@ sys.path.insert(0, HERE)
 
 import memory_cases  # noqa: E402
 
-CONFIGS = {
-    "default": {},
-    "parallel, streaming stores": {"ARRAYROPE_SERIAL_BELOW": "0", "ARRAYROPE_STREAM_ABOVE": "0"},
-    "parallel, plain stores": {
-        "ARRAYROPE_SERIAL_BELOW": "0",
-        "ARRAYROPE_STREAM_ABOVE": str(1 << 62),
-    },
-}
+CONFIGS = memory_cases.CONFIGS
 
 
 def run_worker(cases, env):

@@ -107,6 +107,16 @@ def geometry(operands, flat):
     return _geometry_cache.put(key, g)
 
 
+def tail_mask(rotary_dim, operands):
+    """Bit t set where operand t's features past ``rotary_dim`` must be copied to its out:
+    there are some, and the operand is not rotated in place."""
+    mask = 0
+    if rotary_dim < operands[0][0].shape[-1]:
+        for t, (x, out, _) in enumerate(operands):
+            mask |= (out is not x) << t
+    return mask
+
+
 def rows(g, t):
     """The number of rows of operand t."""
     return math.prod(g[t, 0, :-1].tolist())  # np.prod costs microseconds on a few items

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
-from .._geometry import geometry, rows
+from .._geometry import geometry, rows, tail_mask
 from ._device import on_device
 
 LANES = 32
@@ -153,10 +153,7 @@ def launch_plan(spec, operands, tables, inverse):
     n1 = rows(g, 0)
     n2 = rows(g, 1) if len(operands) == 2 else 0
     d = x0.shape[-1]
-    copy_tail = 0  # bit t: operand t's tail is copied (its out is not its x)
-    if spec.rotary_dim < d:
-        for t, (x, o, _) in enumerate(operands):
-            copy_tail |= (o is not x) << t
+    copy_tail = tail_mask(spec.rotary_dim, operands)
     compute = np.float64 if x0.dtype == np.float64 else np.float32
     scalars = (
         np.int32(spec.rotary_dim),

@@ -13,7 +13,7 @@ load all of a warp's rows before storing any.
 import numpy as np
 
 from ..._errors import BackendUnavailableError
-from .._geometry import flat_view, geometry, rows
+from .._geometry import flat_view, geometry, rows, tail_mask
 from ._device import on_device
 
 try:
@@ -225,10 +225,7 @@ def launch(spec, operands, cos, sin, inverse):
     d = x0.shape[-1]
     compute = np.float64 if x0.dtype == np.float64 else np.float32
     kernel = _kernel(bf16_bits, spec.style == "half", compute)
-    copy_tail = 0  # bit t: operand t's tail is copied (its out is not its x)
-    if spec.rotary_dim < d:
-        for t, (x, o, _) in enumerate(operands):
-            copy_tail |= (o is not x) << t
+    copy_tail = tail_mask(spec.rotary_dim, operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     kernel[(blocks,), (LANES, WARPS_PER_BLOCK), stream](
         *args,
