@@ -270,7 +270,7 @@ def standard_cases(large=False):
     value with every other at least once per dtype; plus multi-axis layouts. ``large`` adds
     inputs big enough for several parallel tasks and streaming blocks."""
     dims = ((64, 64), (64, 62), (10, 6), (6, 2))
-    shapes = ((1, 3, 1), (2, 3, 5), (3, 7))
+    shapes = ((1, 3, 1), (2, 3, 5), (1, 3, 7))
     cases = []
     index = 0
     for dtype in DTYPE_NAMES:
