@@ -69,7 +69,10 @@ def with_axes(values, n_axes, leads):
         )
     shape = values.shape[:-1]
     for lead in leads:
-        if 1 < len(shape) < len(lead) and 1 not in shape:
+        # A (B, T) array against (B, H, T) reads as (1, B, T): refused when an axis that pos
+        # gains is longer than 1, since only then can pos's first axis mean something else.
+        gained = lead[: len(lead) - len(shape)]
+        if 1 < len(shape) < len(lead) and 1 not in shape and any(n > 1 for n in gained):
             raise RopeValueError(
                 f"pos of shape {shape} has fewer axes than the leading shape {lead}, and would "
                 f"broadcast as {(1,) * (len(lead) - len(shape)) + shape}. For (B, T) "

@@ -126,5 +126,8 @@ def test_explicit_broadcasts_stay_accepted(rng):
     x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32)
     for pos in (np.arange(5), np.arange(5)[None, None], np.zeros((2, 1, 5), int), 7):
         assert ar.rotate(x, pos).shape == x.shape
+    single = rng.standard_normal((1, 2, 2, 8)).astype(np.float32)  # B == 1: no other reading
+    per_head = np.array([[42, 31], [25, 13]])
+    np.testing.assert_array_equal(ar.rotate(single, per_head), ar.rotate(single, per_head[None]))
     packed = rng.standard_normal((6, 3, 8)).astype(np.float32)  # (N, H, d)
     assert ar.rotate(packed, np.arange(6)[:, None]).shape == packed.shape
