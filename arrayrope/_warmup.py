@@ -26,13 +26,25 @@ def _dtype(name):
     return np.dtype(name)
 
 
+def _unaligned(shape, dtype):
+    """An array one element off a 16-byte boundary: the general row loop writes it."""
+    return np.empty(int(np.prod(shape)) + 1, dtype)[1:].reshape(shape)
+
+
 def _calls(rope, dtype):
     """(variant, call) pairs: every kernel a decode loop, a prefill and a training step meet."""
+    from .backends.cpu._config import CONFIG
+
     rng = np.random.default_rng(0)
     step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
     cache = np.zeros((1, 8, 16, rope.head_dim), dtype)  # a KV cache, rows written in place
     chunk = rng.standard_normal((1, 8, 16, rope.head_dim)).astype(dtype)
     large = rng.standard_normal((2, 8, 1024, rope.head_dim)).astype(dtype)
+    # results this large take streaming stores
+    huge = np.zeros((-(-CONFIG.stream_above // (rope.head_dim * dtype.itemsize)), rope.head_dim))
+    huge = huge.astype(dtype)
+    real = np.arange(16) + 0.5
+    odd, odd_large = _unaligned(chunk.shape, dtype), _unaligned(large.shape, dtype)
     return [
         ("decode step, new result", lambda: rope.rotate(step, 5)),
         ("decode step, in place", lambda: rope.rotate(cache[:, :, 0:1], 5, out=cache[:, :, 0:1])),
@@ -42,6 +54,9 @@ def _calls(rope, dtype):
         ("one thread, real positions", lambda: rope.rotate(chunk, np.arange(16) + 0.5)),
         ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
         ("parallel, in place", lambda: rope.rotate(large, out=large)),
+        ("parallel, streaming stores", lambda: rope.rotate(huge)),
+        ("one thread, real positions, unaligned out=", lambda: rope.rotate(chunk, real, out=odd)),
+        ("parallel, unaligned out=", lambda: rope.rotate(large, out=odd_large)),
     ]
 
 
@@ -82,7 +97,7 @@ def warmup(
             began = time.perf_counter()
             call()
             if progress is not None:
-                progress(f"{name:9s} {variant:36s} {time.perf_counter() - began:6.1f} s")
+                progress(f"{name:9s} {variant:42s} {time.perf_counter() - began:6.1f} s")
     return time.perf_counter() - start
 
 

@@ -144,7 +144,7 @@ def test_kernels_on_the_software_float16_path():
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         # no F16C instruction anywhere in the general kernel, the direct streaming path's
         # vector steps included: without F16C they would be calls Numba's JIT may not link
-        "for code in _rows.rotate_serial.inspect_asm().values():\n"
+        "for code in _rows.rotate_range.inspect_asm().values():\n"
         "    assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
     )
     env = dict(os.environ, ARRAYROPE_SOFT_F16="1")

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import numba
+import numpy as np
 import pytest
 
 import arrayrope as ar
@@ -11,8 +13,17 @@ import arrayrope as ar
 def test_warmup_reports_every_variant():
     lines = []
     seconds = ar.warmup(("float32",), head_dim=16, progress=lines.append)
-    assert seconds > 0 and len(lines) == 8
+    assert seconds > 0 and len(lines) == 11
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
+    # every entry point of the general path that default settings reach (streaming stores
+    # only in parallel: their threshold is far above the one-thread launch's)
+    from arrayrope.backends.cpu import _rows
+
+    f32 = numba.typeof(np.empty(1, np.float32))
+    for one_thread, parallel in _rows.KERNELS.values():
+        for kernel in (one_thread, parallel):
+            if kernel is not _rows.rotate_range_direct:
+                assert f32 in [sig[0] for sig in kernel.signatures], kernel
     with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
         ar.warmup(("int8",))
 
@@ -26,7 +37,7 @@ def test_the_command():
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("float32 ") == 8 and "done in" in done.stdout
+    assert done.stdout.count("float32 ") == 11 and "done in" in done.stdout
     usage = subprocess.run([sys.executable, "-m", "arrayrope"], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage" in usage.stderr
     bad = [sys.executable, "-m", "arrayrope", "warmup", "float8"]

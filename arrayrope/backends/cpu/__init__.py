@@ -15,7 +15,7 @@ from . import _config
 from ._config import HARDWARE_F16, STREAMING, run_parallel, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rotate_rows, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
-from ._rows import DIRECT, SCRATCH, VECTOR, rotate_parallel, rotate_serial
+from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
 
 __all__ = [
     "DONE",
@@ -75,7 +75,6 @@ def launch(spec, operands, cos, sin, inverse):
     if len(operands) == 1:
         args += args  # the second operand has zero rows in g
     size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
-    parallel = size >= config.serial_below and threads_usable()
     d = operands[0][0].shape[-1]
     copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
@@ -88,10 +87,12 @@ def launch(spec, operands, cos, sin, inverse):
             stream = SCRATCH
     args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse)
     args += (copy_tail, stream)
-    if parallel:
-        run_parallel(rotate_parallel, *args)
+    rows = size // d if d else 0
+    one_thread, parallel = KERNELS[stream]
+    if size >= config.serial_below and threads_usable():
+        run_parallel(parallel, *args, rows)
     else:
-        rotate_serial(*args)
+        one_thread(*args, 0, rows)
     return stream
 
 

@@ -1,5 +1,6 @@
-"""The general row loop and the two entry points of the general path: one thread, or rows
-split into parallel tasks.
+"""The general row loop and the general path's entry points: for each way of storing results
+(see ``launch``), a kernel that rotates a range of rows on one thread, and a parallel one that
+splits all rows into tasks, each a call of the first.
 
 One row body serves every dtype and pair style: the dtype of the flat views picks the element
 conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
@@ -119,16 +120,15 @@ def _row(
             ov[np.uint64(j)] = xv[np.uint64(j)]
 
 
-def _streams(x, stream, mode):
-    """Whether ``stream`` is ``mode``; False in place (``x`` None), where no line is written
-    unread."""
+def _written_unread(x):
+    """Whether o's lines are written without being read first: False in place (``x`` None),
+    where streaming stores would gain nothing."""
 
 
-@overload(_streams)
-def _streams_impl(x, stream, mode):
-    if isinstance(x, types.NoneType):  # in place: only the plain-store vector loop
-        return lambda x, stream, mode: mode == VECTOR and stream == mode
-    return lambda x, stream, mode: stream == mode
+@overload(_written_unread)
+def _written_unread_impl(x):
+    flag = not isinstance(x, types.NoneType)
+    return lambda x: flag
 
 
 @njit(inline="always")
@@ -157,12 +157,13 @@ def _stream_copy(src, dst, start, n):
 def _run_start(g, row):
     """Offsets (x, out, idx) of row ``row`` of the operand whose geometry block is ``g``, and how
     many rows from it on share its run along the innermost leading axis, where the offsets
-    advance by constant strides."""
+    advance by constant strides. The loops decode the leading index (int64 divisions) once per
+    run: per-row index bookkeeping would cost as much as rotating a float32 row in cache."""
     nlead = g.shape[1] - 1
     xb = g[1, nlead]
     ob = g[2, nlead]
     pb = g[3, nlead]
-    rem = np.int64(row)  # a prange index may be unsigned; int64 keeps index arithmetic integral
+    rem = np.int64(row)
     left = np.int64(0)
     for ax in range(nlead - 1, -1, -1):
         i = rem % g[0, ax]
@@ -191,44 +192,26 @@ def _rows(
     half_style,
     inverse,
     copy_tail,
-    stream,
+    streaming,
 ):
     """Rows first..stop-1 of the operand whose geometry block is ``g`` (``g[t]`` of the launch's
-    g). The leading index is decoded (int64 divisions) once per run of the innermost leading
-    axis; within a run the offsets advance by its strides: per-row index bookkeeping would cost
-    as much as rotating a float32 row in cache.
+    g), by the general row loop: plain stores, or (``streaming``, ignored in place) rotated into
+    an in-cache scratch block a block of rows at a time and copied to o with streaming stores.
 
-    Every caller passes arguments of one set of types (no literal operand number or first row),
-    so that q's and k's calls, serial and parallel, share one compiled function: each type set
-    costs several seconds of compilation."""
+    Both calls pass arguments of one set of types (no literal operand number or first row), so
+    that q's and k's share one compiled function: each type set costs seconds of compilation."""
     if first >= stop:
         return
     inner = g.shape[1] - 2
     sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
     axis_stride = g[0, inner + 1]
-    streaming = _streams(x, stream, SCRATCH)
-    direct = _streams(x, stream, DIRECT)
-    vector = _streams(x, stream, VECTOR)
+    streaming = _written_unread(x) and streaming
     block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
     scratch = np.empty(block * d, o.dtype) if streaming else o[:0]
     row = first
     while row < stop:
         xb, ob, pb, left = _run_start(g, row)
         run = min(left, stop - row)
-        if direct or vector:  # one run of pairs (seg has one row): see launch.direct_path
-            axis = seg[0, 2] * axis_stride
-            if direct:
-                direct_rows_streaming(
-                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
-                    half_style, inverse,
-                )  # fmt: skip
-            else:
-                direct_rows_plain(
-                    x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d,
-                    half_style, inverse,
-                )  # fmt: skip
-            row += run
-            continue
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
         # time is rotated into scratch (in cache) and then streamed to o; else the run is one
         # block rotated straight into o. One call site of _row: each is inlined, and a second
@@ -261,11 +244,45 @@ def _rows(
             if buffered:
                 _stream_copy(scratch, o, np.uint64(ob + start * so), np.uint64(rows * d))
         row += run
-    if streaming or direct:
+    if streaming:
         store_fence()
 
 
-@njit(cache=DISK_CACHE)
+def _direct_runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+    """Rows first..stop-1 of the operand whose geometry block is ``g``, by the direct path (see
+    _direct), with streaming stores or (``nontemporal``, a literal, False) plain ones."""
+
+
+@overload(_direct_runs, prefer_literal=True)
+def _direct_runs_impl(
+    nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv
+):
+    if not isinstance(nontemporal, types.BooleanLiteral):
+        return None
+    streaming = nontemporal.literal_value
+    rows_of_run = direct_rows_streaming if streaming else direct_rows_plain
+
+    def runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+        if first >= stop:
+            return
+        inner = g.shape[1] - 2
+        sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
+        axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see launch.direct_path
+        row = first
+        while row < stop:
+            xb, ob, pb, left = _run_start(g, row)
+            run = min(left, stop - row)
+            rows_of_run(
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
+            )
+            row += run
+        if streaming:
+            store_fence()
+
+    return runs
+
+
+@njit(inline="always")
 def _count_rows(g):
     total = 1
     for ax in range(g.shape[1] - 1):
@@ -273,59 +290,56 @@ def _count_rows(g):
     return total
 
 
-@njit(cache=DISK_CACHE)
-def rotate_serial(
-    x1,
-    o1,
-    i1,
-    x2,
-    o2,
-    i2,
-    g,
-    cos,
-    sin,
-    seg,
-    rotary_dim,
-    d,
-    half_style,
-    inverse,
-    copy_tail,
-    stream,
-):
+@njit(inline="always")
+def _shares(g, first, stop):
+    """(first, stop) in q's rows and in k's of the range first..stop-1 of q's rows followed by
+    k's: a range may end q and begin k, so that equal ranges are equal work."""
+    n1 = _count_rows(g[0])
+    return first, min(stop, n1), max(first, n1) - n1, stop - n1
+
+
+# The general path's one-thread entry points, one per way of storing results (see launch), each
+# compiled only when a call needs it. All take the same arguments: the operands (x, out, idx)
+# of q and k, the launch geometry g, the tables, the layout, and the range first..stop-1 of q's
+# rows followed by k's that they rotate. ``x`` None means in place.
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    stop,
+):  # fmt: skip
+    """The general row loop: plain stores, or SCRATCH."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    streaming = stream == SCRATCH
     _rows(
-        x1,
-        o1,
-        i1,
-        g[0],
-        np.int64(0),
-        _count_rows(g[0]),
-        cos,
-        sin,
-        seg,
-        rotary_dim,
-        d,
-        half_style,
-        inverse,
-        copy_tail,
-        stream,
-    )
+        x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, streaming
+    )  # fmt: skip
     _rows(
-        x2,
-        o2,
-        i2,
-        g[1],
-        np.int64(0),
-        _count_rows(g[1]),
-        cos,
-        sin,
-        seg,
-        rotary_dim,
-        d,
-        half_style,
-        inverse,
-        copy_tail,
-        stream,
-    )
+        x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, streaming
+    )  # fmt: skip
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_direct(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    stop,
+):  # fmt: skip
+    """The direct path with streaming stores (DIRECT)."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    _direct_runs(True, x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
+    _direct_runs(True, x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_vector(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    stop,
+):  # fmt: skip
+    """The direct path with plain stores (VECTOR)."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    _direct_runs(False, x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
+    _direct_runs(False, x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
 
 
 # Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
@@ -336,65 +350,58 @@ _MIN_TASK_ROWS = 32
 _MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
 
 
+@njit(inline="always")
+def _tasks(total):
+    """How many tasks split ``total`` rows."""
+    chunk = max(_MIN_TASK_ROWS, (total + _MAX_TASKS - 1) // _MAX_TASKS)
+    return (total + chunk - 1) // chunk
+
+
+# The parallel entry points: each task a call of one of the above, which Numba compiles once
+# for both (the whole row loop inside a parallel kernel would compile a second time, for
+# seconds). They take the same arguments, with the number of rows in place of the range.
+
+
 @njit(cache=DISK_CACHE, parallel=True)
 def rotate_parallel(
-    x1,
-    o1,
-    i1,
-    x2,
-    o2,
-    i2,
-    g,
-    cos,
-    sin,
-    seg,
-    rotary_dim,
-    d,
-    half_style,
-    inverse,
-    copy_tail,
-    stream,
-):
-    # The tasks split the rows of both operands, q's then k's, into equal parts: a task may end
-    # q and begin k, so that no thread's share is short by a partial task per operand.
-    n1 = _count_rows(g[0])
-    n2 = _count_rows(g[1])
-    total = n1 + n2
-    chunk = max(_MIN_TASK_ROWS, (total + _MAX_TASKS - 1) // _MAX_TASKS)
-    for task in prange((total + chunk - 1) // chunk):
-        first = np.int64(task * chunk)
-        stop = min(first + chunk, total)
-        _rows(
-            x1,
-            o1,
-            i1,
-            g[0],
-            first,
-            min(stop, n1),
-            cos,
-            sin,
-            seg,
-            rotary_dim,
-            d,
-            half_style,
-            inverse,
-            copy_tail,
-            stream,
-        )  # nothing where first >= n1
-        _rows(
-            x2,
-            o2,
-            i2,
-            g[1],
-            max(first, n1) - n1,
-            stop - n1,
-            cos,
-            sin,
-            seg,
-            rotary_dim,
-            d,
-            half_style,
-            inverse,
-            copy_tail,
-            stream,
-        )  # nothing where stop <= n1
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
+):  # fmt: skip
+    n = _tasks(total)
+    for task in prange(n):
+        rotate_range(
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
+            total * task // n, total * (task + 1) // n,
+        )  # fmt: skip
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def rotate_parallel_direct(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
+):  # fmt: skip
+    n = _tasks(total)
+    for task in prange(n):
+        rotate_range_direct(
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
+            total * task // n, total * (task + 1) // n,
+        )  # fmt: skip
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def rotate_parallel_vector(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
+):  # fmt: skip
+    n = _tasks(total)
+    for task in prange(n):
+        rotate_range_vector(
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
+            total * task // n, total * (task + 1) // n,
+        )  # fmt: skip
+
+
+# By ``stream`` (see launch): (one-thread kernel, parallel kernel)
+KERNELS = {
+    0: (rotate_range, rotate_parallel),
+    SCRATCH: (rotate_range, rotate_parallel),
+    DIRECT: (rotate_range_direct, rotate_parallel_direct),
+    VECTOR: (rotate_range_vector, rotate_parallel_vector),
+}
