@@ -15,15 +15,16 @@ def test_warmup_reports_every_variant():
     seconds = ar.warmup(("float32",), head_dim=16, progress=lines.append)
     assert seconds > 0 and len(lines) == 11
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
-    # every entry point of the general path that default settings reach (streaming stores
-    # only in parallel: their threshold is far above the one-thread launch's)
+    # every kernel of the general path, for a new result and in place: the one-thread kernels
+    # that default settings reach (their streaming stores only in parallel: the threshold is
+    # far above the one-thread launch's), and the parallel entry point
     from arrayrope.backends.cpu import _rows
 
     f32 = numba.typeof(np.empty(1, np.float32))
-    for one_thread, parallel in _rows.KERNELS.values():
-        for kernel in (one_thread, parallel):
-            if kernel is not _rows.rotate_range_direct:
-                assert f32 in [sig[0] for sig in kernel.signatures], kernel
+    for kernel in set(_rows.KERNELS.values()) - {_rows.rotate_range_direct}:
+        assert f32 in [sig[0] for sig in kernel.signatures], kernel
+    parallel = {str(sig[1]) for sig in _rows.rotate_parallel.signatures}
+    assert {str(f32), "none"} <= parallel, parallel
     with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
         ar.warmup(("int8",))
 

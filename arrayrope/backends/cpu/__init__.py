@@ -12,10 +12,10 @@ import numpy as np
 
 from .._geometry import flat_view, geometry
 from . import _config
-from ._config import HARDWARE_F16, STREAMING, run_parallel, threads_usable
+from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rotate_rows, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
-from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
+from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR, launch_parallel
 
 __all__ = [
     "DONE",
@@ -88,11 +88,11 @@ def launch(spec, operands, cos, sin, inverse):
     args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse)
     args += (copy_tail, stream)
     rows = size // d if d else 0
-    one_thread, parallel = KERNELS[stream]
+    kernel = KERNELS[stream]
     if size >= config.serial_below and threads_usable():
-        run_parallel(parallel, *args, rows)
+        launch_parallel(kernel, tuple(args), rows)
     else:
-        one_thread(*args, 0, rows)
+        kernel(*args, 0, rows)
     return stream
 
 

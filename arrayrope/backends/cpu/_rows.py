@@ -1,6 +1,6 @@
 """The general row loop and the general path's entry points: for each way of storing results
-(see ``launch``), a kernel that rotates a range of rows on one thread, and a parallel one that
-splits all rows into tasks, each a call of the first.
+(see ``launch``), a kernel that rotates a range of rows on one thread, and one parallel kernel
+that splits all rows into tasks, each a call of one of those.
 
 One row body serves every dtype and pair style: the dtype of the flat views picks the element
 conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
@@ -11,11 +11,14 @@ in-cache block, then copied with streaming stores), or the direct path (see _dir
 streaming or plain stores.
 """
 
+import numba
 import numpy as np
 from numba import config, njit, prange, types
+from numba._dispatcher import compute_fingerprint
 from numba.extending import overload
 
-from ._config import DISK_CACHE
+from ..._cache import Bounded
+from ._config import DISK_CACHE, run_parallel
 from ._convert import load, store
 from ._direct import direct_rows_plain, direct_rows_streaming
 from ._simd import address, store_fence, stream_line
@@ -357,51 +360,67 @@ def _tasks(total):
     return (total + chunk - 1) // chunk
 
 
-# The parallel entry points: each task a call of one of the above, which Numba compiles once
-# for both (the whole row loop inside a parallel kernel would compile a second time, for
-# seconds). They take the same arguments, with the number of rows in place of the range.
-
-
 @njit(cache=DISK_CACHE, parallel=True)
 def rotate_parallel(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
+    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
+    total,
 ):  # fmt: skip
+    """The parallel entry point: rows 0..total-1 split into tasks, each a call of ``kernel``
+    (one of the above, with the same arguments). ``kernel`` arrives as a function pointer (see
+    :func:`launch_parallel`), so this compiles once per argument types for all of them, without
+    compiling the kernel again inside it."""
     n = _tasks(total)
     for task in prange(n):
-        rotate_range(
+        kernel(
             x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
             total * task // n, total * (task + 1) // n,
         )  # fmt: skip
 
 
-@njit(cache=DISK_CACHE, parallel=True)
-def rotate_parallel_direct(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
-):  # fmt: skip
-    n = _tasks(total)
-    for task in prange(n):
-        rotate_range_direct(
-            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
-            total * task // n, total * (task + 1) // n,
-        )  # fmt: skip
+class _Address:
+    """A compiled one-thread kernel as Numba's first-class function values see it: the address
+    of its C wrapper and its signature."""
+
+    __slots__ = ("address", "sig")
+
+    def __init__(self, address, sig):
+        self.address, self.sig = address, sig
+
+    def __wrapper_address__(self):
+        return self.address
+
+    def signature(self):
+        return self.sig
 
 
-@njit(cache=DISK_CACHE, parallel=True)
-def rotate_parallel_vector(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, total,
-):  # fmt: skip
-    n = _tasks(total)
-    for task in prange(n):
-        rotate_range_vector(
-            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
-            total * task // n, total * (task + 1) // n,
-        )  # fmt: skip
+# (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
+# types, the kernel's _Address)
+_parallel_entries = Bounded(256)
 
 
-# By ``stream`` (see launch): (one-thread kernel, parallel kernel)
+def launch_parallel(kernel, args, total):
+    """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
+    arguments before the range). The entry point for the arguments' types is looked up by
+    their fingerprints (about a microsecond; ``numba.typeof`` of every argument would cost
+    fifty), and compiled, or loaded from the disk cache, the first time."""
+    key = (kernel, tuple(map(compute_fingerprint, args)))
+    found = _parallel_entries.get(key)
+    if found is None:
+        arg_types = tuple(numba.typeof(a) for a in args)
+        sig = types.void(*arg_types, types.int64, types.int64)
+        kernel.compile(sig.args)
+        compiled = kernel.overloads[sig.args]
+        address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
+        entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
+        found = _parallel_entries.put(key, (entry, _Address(address, sig)))
+    entry, address = found
+    run_parallel(entry, address, *args, total)
+
+
+# By ``stream`` (see launch): the one-thread kernel
 KERNELS = {
-    0: (rotate_range, rotate_parallel),
-    SCRATCH: (rotate_range, rotate_parallel),
-    DIRECT: (rotate_range_direct, rotate_parallel_direct),
-    VECTOR: (rotate_range_vector, rotate_parallel_vector),
+    0: rotate_range,
+    SCRATCH: rotate_range,
+    DIRECT: rotate_range_direct,
+    VECTOR: rotate_range_vector,
 }
