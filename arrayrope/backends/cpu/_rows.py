@@ -14,7 +14,6 @@ streaming or plain stores.
 import numba
 import numpy as np
 from numba import config, njit, prange, types
-from numba._dispatcher import compute_fingerprint
 from numba.extending import overload
 
 from ..._cache import Bounded
@@ -396,14 +395,20 @@ class _Address:
 # (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
 # types, the kernel's _Address)
 _parallel_entries = Bounded(256)
+# The key is the dispatcher's own type key, about a microsecond for a launch's arguments, where
+# numba.typeof of each would cost fifty. It leaves out one property of a Numba array type,
+# alignment: every array that reaches a launch is aligned (see _arrays.addressable).
+try:
+    from numba._dispatcher import compute_fingerprint as _type_key
+except ImportError:  # not public API: numba.typeof is the documented equivalent
+    _type_key = numba.typeof
 
 
 def launch_parallel(kernel, args, total):
     """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
-    arguments before the range). The entry point for the arguments' types is looked up by
-    their fingerprints (about a microsecond; ``numba.typeof`` of every argument would cost
-    fifty), and compiled, or loaded from the disk cache, the first time."""
-    key = (kernel, tuple(map(compute_fingerprint, args)))
+    arguments before the range). The entry point for the arguments' types is compiled, or
+    loaded from the disk cache, the first time."""
+    key = (kernel, tuple(map(_type_key, args)))
     found = _parallel_entries.get(key)
     if found is None:
         arg_types = tuple(numba.typeof(a) for a in args)
