@@ -26,6 +26,11 @@ def _dtype(name):
     return np.dtype(name)
 
 
+# The streaming variant is compiled where results of at most this many bytes stream; a higher
+# ARRAYROPE_STREAM_ABOVE turns streaming off in practice.
+_STREAMING_UP_TO = 1 << 30
+
+
 def _unaligned(shape, dtype):
     """An array one element off a 16-byte boundary: the general row loop writes it."""
     return np.empty(int(np.prod(shape)) + 1, dtype)[1:].reshape(shape)
@@ -33,19 +38,16 @@ def _unaligned(shape, dtype):
 
 def _calls(rope, dtype):
     """(variant, call) pairs: every kernel a decode loop, a prefill and a training step meet."""
-    from .backends.cpu._config import CONFIG
+    from .backends.cpu._config import CONFIG, STREAMING
 
     rng = np.random.default_rng(0)
     step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
     cache = np.zeros((1, 8, 16, rope.head_dim), dtype)  # a KV cache, rows written in place
     chunk = rng.standard_normal((1, 8, 16, rope.head_dim)).astype(dtype)
     large = rng.standard_normal((2, 8, 1024, rope.head_dim)).astype(dtype)
-    # results this large take streaming stores
-    huge = np.zeros((-(-CONFIG.stream_above // (rope.head_dim * dtype.itemsize)), rope.head_dim))
-    huge = huge.astype(dtype)
     real = np.arange(16) + 0.5
-    odd, odd_large = _unaligned(chunk.shape, dtype), _unaligned(large.shape, dtype)
-    return [
+    odd = _unaligned(chunk.shape, dtype)
+    calls = [
         ("decode step, new result", lambda: rope.rotate(step, 5)),
         ("decode step, in place", lambda: rope.rotate(cache[:, :, 0:1], 5, out=cache[:, :, 0:1])),
         ("decode step, into a KV-cache slice", lambda: rope.rotate(step, 5, out=cache[:, :, 5:6])),
@@ -54,10 +56,14 @@ def _calls(rope, dtype):
         ("one thread, real positions", lambda: rope.rotate(chunk, np.arange(16) + 0.5)),
         ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
         ("parallel, in place", lambda: rope.rotate(large, out=large)),
-        ("parallel, streaming stores", lambda: rope.rotate(huge)),
-        ("one thread, real positions, unaligned out=", lambda: rope.rotate(chunk, real, out=odd)),
-        ("parallel, unaligned out=", lambda: rope.rotate(large, out=odd_large)),
+        ("general row loop (unaligned out=)", lambda: rope.rotate(chunk, real, out=odd)),
     ]
+    if STREAMING and CONFIG.stream_above <= _STREAMING_UP_TO:
+        # a result this large takes streaming stores (16 positions: a small table)
+        rows = -(-CONFIG.stream_above // (16 * rope.head_dim * dtype.itemsize))
+        huge = np.zeros((rows, 16, rope.head_dim), dtype)
+        calls.append(("parallel, streaming stores", lambda: rope.rotate(huge)))
+    return calls
 
 
 def warmup(

@@ -142,8 +142,8 @@ def test_kernels_on_the_software_float16_path():
         "        general = ar.rotate(x, 1000, style=style, out=np.empty_like(x))\n"
         "    assert (rows.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
-        # no F16C instruction anywhere in the general kernel, the direct streaming path's
-        # vector steps included: without F16C they would be calls Numba's JIT may not link
+        # no F16C instruction anywhere in the general row loop: without F16C they would be
+        # calls Numba's JIT may not link (direct_path refuses such float16 outputs)
         "for code in _rows.rotate_range.inspect_asm().values():\n"
         "    assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
     )

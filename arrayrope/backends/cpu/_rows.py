@@ -252,7 +252,8 @@ def _rows(
 
 def _direct_runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
     """Rows first..stop-1 of the operand whose geometry block is ``g``, by the direct path (see
-    _direct), with streaming stores or (``nontemporal``, a literal, False) plain ones."""
+    _direct), with streaming stores or (``nontemporal``, a literal, False; and in place) plain
+    ones."""
 
 
 @overload(_direct_runs, prefer_literal=True)
@@ -261,7 +262,9 @@ def _direct_runs_impl(
 ):
     if not isinstance(nontemporal, types.BooleanLiteral):
         return None
-    streaming = nontemporal.literal_value
+    # in place (x None), lines are read before they are written: plain stores (rotate_qk may
+    # pair an in-place operand with one whose result streams)
+    streaming = nontemporal.literal_value and not isinstance(x, types.NoneType)
     rows_of_run = direct_rows_streaming if streaming else direct_rows_plain
 
     def runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
@@ -301,9 +304,10 @@ def _shares(g, first, stop):
 
 
 # The general path's one-thread entry points, one per way of storing results (see launch), each
-# compiled only when a call needs it. All take the same arguments: the operands (x, out, idx)
-# of q and k, the launch geometry g, the tables, the layout, and the range first..stop-1 of q's
-# rows followed by k's that they rotate. ``x`` None means in place.
+# compiled only when a call needs it. All take the same arguments (the direct ones ignore
+# copy_tail and stream): the operands (x, out, idx) of q and k, the launch geometry g, the
+# tables, the layout, and the range first..stop-1 of q's rows followed by k's that they rotate.
+# ``x`` None means in place.
 
 
 @njit(cache=DISK_CACHE, nogil=True)
@@ -366,13 +370,14 @@ def rotate_parallel(
 ):  # fmt: skip
     """The parallel entry point: rows 0..total-1 split into tasks, each a call of ``kernel``
     (one of the above, with the same arguments). ``kernel`` arrives as a function pointer (see
-    :func:`launch_parallel`), so this compiles once per argument types for all of them, without
-    compiling the kernel again inside it."""
+    :func:`launch_parallel`): this compiles once per argument types for all of them, and no
+    kernel's code is compiled into it."""
     n = _tasks(total)
     for task in prange(n):
+        t = np.int64(task)  # a prange index is unsigned; the kernel takes int64
         kernel(
             x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
-            total * task // n, total * (task + 1) // n,
+            total * t // n, total * (t + 1) // n,
         )  # fmt: skip
 
 
@@ -395,9 +400,8 @@ class _Address:
 # (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
 # types, the kernel's _Address)
 _parallel_entries = Bounded(256)
-# The key is the dispatcher's own type key, about a microsecond for a launch's arguments, where
-# numba.typeof of each would cost fifty. It leaves out one property of a Numba array type,
-# alignment: every array that reaches a launch is aligned (see _arrays.addressable).
+# The key is the Numba dispatcher's own type key of each argument: about a microsecond for a
+# launch's arguments, where numba.typeof of each would cost fifty.
 try:
     from numba._dispatcher import compute_fingerprint as _type_key
 except ImportError:  # not public API: numba.typeof is the documented equivalent
