@@ -15,7 +15,7 @@ from . import _config
 from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rotate_rows, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
-from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR, launch_parallel
+from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR, launch_parallel, scratch_blocks
 
 __all__ = [
     "DONE",
@@ -85,14 +85,15 @@ def launch(spec, operands, cos, sin, inverse):
             stream = DIRECT if large else VECTOR
         elif large:
             stream = SCRATCH
-    args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse)
-    args += (copy_tail, stream)
+    args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
     rows = size // d if d else 0
     kernel = KERNELS[stream]
-    if size >= config.serial_below and threads_usable():
-        launch_parallel(kernel, tuple(args), rows)
+    parallel = size >= config.serial_below and threads_usable()
+    scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
+    if parallel:
+        launch_parallel(kernel, tuple(args), scratch, rows)
     else:
-        kernel(*args, 0, rows)
+        kernel(*args, scratch[0], 0, rows)
     return stream
 
 

@@ -6,7 +6,7 @@ One row body serves every dtype and pair style: the dtype of the flat views pick
 conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
 None). Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand
 (q, k; see ``backends._geometry``); ``rotate`` passes an empty second operand. Results are
-written one of four ways (``stream``): plain stores, the scratch path (rows rotated into an
+written one of four ways: plain stores, the scratch path (rows rotated into an
 in-cache block, then copied with streaming stores), or the direct path (see _direct) with
 streaming or plain stores.
 """
@@ -22,7 +22,7 @@ from ._convert import load, store
 from ._direct import direct_rows_plain, direct_rows_streaming
 from ._simd import address, store_fence, stream_line
 
-SCRATCH, DIRECT, VECTOR = 1, 2, 3  # the kernels' ``stream`` argument; 0: plain stores
+SCRATCH, DIRECT, VECTOR = 1, 2, 3  # how a launch stores results (see launch); 0: plain stores
 # Rows rotated into an in-cache scratch block before each streaming copy.
 _STREAM_BLOCK_BYTES = 8192
 
@@ -194,11 +194,12 @@ def _rows(
     half_style,
     inverse,
     copy_tail,
-    streaming,
+    scratch,
 ):
     """Rows first..stop-1 of the operand whose geometry block is ``g`` (``g[t]`` of the launch's
-    g), by the general row loop: plain stores, or (``streaming``, ignored in place) rotated into
-    an in-cache scratch block a block of rows at a time and copied to o with streaming stores.
+    g), by the general row loop: plain stores, or (a non-empty ``scratch`` of o's dtype, ignored
+    in place) rotated into that in-cache block a block of rows at a time and copied to o with
+    streaming stores.
 
     Both calls pass arguments of one set of types (no literal operand number or first row), so
     that q's and k's share one compiled function: each type set costs seconds of compilation."""
@@ -207,9 +208,8 @@ def _rows(
     inner = g.shape[1] - 2
     sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
     axis_stride = g[0, inner + 1]
-    streaming = _written_unread(x) and streaming
-    block = max(1, _STREAM_BLOCK_BYTES // (d * o.itemsize))
-    scratch = np.empty(block * d, o.dtype) if streaming else o[:0]
+    streaming = _written_unread(x) and scratch.shape[0] >= d
+    block = scratch.shape[0] // d
     row = first
     while row < stop:
         xb, ob, pb, left = _run_start(g, row)
@@ -305,30 +305,27 @@ def _shares(g, first, stop):
 
 # The general path's one-thread entry points, one per way of storing results (see launch), each
 # compiled only when a call needs it. All take the same arguments (the direct ones ignore
-# copy_tail and stream): the operands (x, out, idx) of q and k, the launch geometry g, the
-# tables, the layout, and the range first..stop-1 of q's rows followed by k's that they rotate.
-# ``x`` None means in place.
+# copy_tail and scratch): the operands (x, out, idx) of q and k, the launch geometry g, the
+# tables, the layout, the scratch block (see scratch_blocks), and the range first..stop-1 of
+# q's rows followed by k's that they rotate. ``x`` None means in place. They allocate nothing:
+# the parallel kernel calls them through their C wrapper, which would print an error rather
+# than raise it.
 
 
 @njit(cache=DISK_CACHE, nogil=True)
 def rotate_range(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
     stop,
 ):  # fmt: skip
-    """The general row loop: plain stores, or SCRATCH."""
+    """The general row loop: plain stores, or SCRATCH (``scratch`` not empty)."""
     f1, s1, f2, s2 = _shares(g, first, stop)
-    streaming = stream == SCRATCH
-    _rows(
-        x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, streaming
-    )  # fmt: skip
-    _rows(
-        x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, streaming
-    )  # fmt: skip
+    _rows(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch)
+    _rows(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch)
 
 
 @njit(cache=DISK_CACHE, nogil=True)
 def rotate_range_direct(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
     stop,
 ):  # fmt: skip
     """The direct path with streaming stores (DIRECT)."""
@@ -339,7 +336,7 @@ def rotate_range_direct(
 
 @njit(cache=DISK_CACHE, nogil=True)
 def rotate_range_vector(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream, first,
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
     stop,
 ):  # fmt: skip
     """The direct path with plain stores (VECTOR)."""
@@ -356,28 +353,32 @@ _MIN_TASK_ROWS = 32
 _MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
 
 
-@njit(inline="always")
-def _tasks(total):
-    """How many tasks split ``total`` rows."""
-    chunk = max(_MIN_TASK_ROWS, (total + _MAX_TASKS - 1) // _MAX_TASKS)
-    return (total + chunk - 1) // chunk
+def scratch_blocks(tasks, rows, d, dtype, streaming):
+    """The scratch blocks of a launch: one per task, of whole rows of ``d`` elements of o's
+    ``dtype``, where ``streaming`` (SCRATCH); else empty. A parallel launch of ``rows`` rows
+    has ``tasks`` None: as many tasks as split them evenly."""
+    if tasks is None:
+        chunk = max(_MIN_TASK_ROWS, -(-rows // _MAX_TASKS))
+        tasks = -(-rows // chunk)
+    block = max(1, _STREAM_BLOCK_BYTES // (d * np.dtype(dtype).itemsize)) if streaming else 0
+    return np.empty((tasks, block * d), dtype)
 
 
 @njit(cache=DISK_CACHE, parallel=True)
 def rotate_parallel(
-    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
+    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch,
     total,
 ):  # fmt: skip
-    """The parallel entry point: rows 0..total-1 split into tasks, each a call of ``kernel``
-    (one of the above, with the same arguments). ``kernel`` arrives as a function pointer (see
-    :func:`launch_parallel`): this compiles once per argument types for all of them, and no
-    kernel's code is compiled into it."""
-    n = _tasks(total)
+    """The parallel entry point: rows 0..total-1 split into one task per scratch block, each a
+    call of ``kernel`` (one of the above, with the same arguments and its task's block).
+    ``kernel`` arrives as a function pointer (see :func:`launch_parallel`): this compiles once
+    per argument types for all of them, and no kernel's code is compiled into it."""
+    n = scratch.shape[0]
     for task in prange(n):
         t = np.int64(task)  # a prange index is unsigned; the kernel takes int64
         kernel(
-            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, stream,
-            total * t // n, total * (t + 1) // n,
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail,
+            scratch[t], total * t // n, total * (t + 1) // n,
         )  # fmt: skip
 
 
@@ -408,15 +409,16 @@ except ImportError:  # not public API: numba.typeof is the documented equivalent
     _type_key = numba.typeof
 
 
-def launch_parallel(kernel, args, total):
+def launch_parallel(kernel, args, scratch, total):
     """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
-    arguments before the range). The entry point for the arguments' types is compiled, or
-    loaded from the disk cache, the first time."""
+    arguments before the scratch block; ``scratch``: one block per task). The entry point for
+    the arguments' types is compiled, or loaded from the disk cache, the first time."""
+    args = (*args, scratch)
     key = (kernel, tuple(map(_type_key, args)))
     found = _parallel_entries.get(key)
     if found is None:
         arg_types = tuple(numba.typeof(a) for a in args)
-        sig = types.void(*arg_types, types.int64, types.int64)
+        sig = types.void(*arg_types[:-1], numba.typeof(scratch[0]), types.int64, types.int64)
         kernel.compile(sig.args)
         compiled = kernel.overloads[sig.args]
         address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
