@@ -6,9 +6,9 @@ One row body serves every dtype and pair style: the dtype of the flat views pick
 conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
 None). Operand geometry ``g`` is an int64 array of shape (2, 4, L + 1), one block per operand
 (q, k; see ``backends._geometry``); ``rotate`` passes an empty second operand. Results are
-written one of four ways: plain stores, the scratch path (rows rotated into an
-in-cache block, then copied with streaming stores), or the direct path (see _direct) with
-streaming or plain stores.
+written one of four ways: plain stores, the scratch path (rows rotated into an in-cache block,
+then copied with streaming stores), or the direct path (see _direct) with streaming or plain
+stores.
 """
 
 import numba
