@@ -263,13 +263,9 @@ def rotate_dask(rope, mode, xs, pos, inverse, outs, backend, seq_len):
     The feature axis is made whole first."""
     import dask.array as da
 
-    from ._plan import BACKENDS
+    from .backends import check_name
 
-    # Checked now, not when a worker computes a chunk.
-    if backend not in BACKENDS:
-        raise RopeValueError(
-            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
-        )
+    check_name(backend)  # now, not when a worker computes a chunk
     if outs is not None:
         raise RopeValueError("out is not supported for dask arrays (their results are lazy)")
     if not all(is_dask(x) for x in xs):

@@ -22,18 +22,14 @@ from ._errors import RopeTypeError, RopeValueError
 from ._plan_rows import rows_plan
 from ._positions import ARRAY, INT, NONE
 from ._spec import check_inverse
+from .backends import check_name
 from .backends import module as backend_module
-
-BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
 
 
 def _pick_backend(backend, array_family):
     if backend == "auto":
         return "numba" if array_family == NUMPY else "cupy"
-    if backend not in BACKENDS:
-        raise RopeValueError(
-            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
-        )
+    check_name(backend)
     if backend == "numba" and array_family != NUMPY:
         raise RopeValueError(
             "backend='numba' takes NumPy arrays; for CuPy arrays use 'cupy' or 'numba-cuda'"

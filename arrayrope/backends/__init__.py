@@ -7,6 +7,9 @@ operands that the dispatcher has already checked; backends never re-check or re-
 
 import importlib
 
+from .._errors import RopeValueError
+
+BACKENDS = ("auto", "numba", "numpy", "cupy", "numba-cuda")
 _MODULES = {
     "numba": ".cpu",
     "numpy": ".reference",
@@ -22,3 +25,11 @@ def module(backend):
     if found is None:
         found = _loaded[backend] = importlib.import_module(_MODULES[backend], __name__)
     return found
+
+
+def check_name(backend):
+    """Raise unless ``backend`` is one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise RopeValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
