@@ -13,7 +13,7 @@ import arrayrope as ar
 def test_warmup_reports_every_variant():
     lines = []
     seconds = ar.warmup(("float32",), head_dim=16, progress=lines.append)
-    from arrayrope.backends.cpu import _rows
+    from arrayrope.backends.cpu import _parallel, _rows
     from arrayrope.backends.cpu._config import STREAMING
 
     assert seconds > 0 and len(lines) == 9 + STREAMING
@@ -23,7 +23,7 @@ def test_warmup_reports_every_variant():
     f32 = numba.typeof(np.empty(1, np.float32))
     for kernel in set(_rows.KERNELS.values()) if STREAMING else {_rows.rotate_range}:
         assert f32 in [sig[0] for sig in kernel.signatures], kernel
-    parallel = {str(sig[1]) for sig in _rows.rotate_parallel.signatures}
+    parallel = {str(sig[1]) for sig in _parallel.rotate_parallel.signatures}
     assert {str(f32), "none"} <= parallel, parallel
     with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
         ar.warmup(("int8",))

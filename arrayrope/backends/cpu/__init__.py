@@ -15,7 +15,8 @@ from . import _config
 from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rotate_rows, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
-from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR, launch_parallel, scratch_blocks
+from ._parallel import launch_parallel, scratch_blocks
+from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
 
 __all__ = [
     "DONE",

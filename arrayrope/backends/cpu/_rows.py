@@ -1,6 +1,6 @@
-"""The general row loop and the general path's entry points: for each way of storing results
-(see ``launch``), a kernel that rotates a range of rows on one thread, and one parallel kernel
-that splits all rows into tasks, each a call of one of those.
+"""The general row loop and the general path's one-thread entry points: for each way of
+storing results (see ``launch``), a kernel that rotates a range of rows (all of them, or one
+parallel task's: see _parallel).
 
 One row body serves every dtype and pair style: the dtype of the flat views picks the element
 conversion at compile time (see _convert), and in place is a compile-time case too (x passed as
@@ -11,13 +11,11 @@ then copied with streaming stores), or the direct path (see _direct) with stream
 stores.
 """
 
-import numba
 import numpy as np
-from numba import config, njit, prange, types
+from numba import njit, types
 from numba.extending import overload
 
-from ..._cache import Bounded
-from ._config import DISK_CACHE, run_parallel
+from ._config import DISK_CACHE
 from ._convert import load, store
 from ._direct import direct_rows_plain, direct_rows_streaming
 from ._simd import address, store_fence, stream_line
@@ -306,10 +304,10 @@ def _shares(g, first, stop):
 # The general path's one-thread entry points, one per way of storing results (see launch), each
 # compiled only when a call needs it. All take the same arguments (the direct ones ignore
 # copy_tail and scratch): the operands (x, out, idx) of q and k, the launch geometry g, the
-# tables, the layout, the scratch block (see scratch_blocks), and the range first..stop-1 of
-# q's rows followed by k's that they rotate. ``x`` None means in place. They allocate nothing:
-# the parallel kernel calls them through their C wrapper, which would print an error rather
-# than raise it.
+# tables, the layout, the scratch block (see _parallel.scratch_blocks), and the range
+# first..stop-1 of q's rows followed by k's that they rotate. ``x`` None means in place. They
+# allocate nothing: the parallel kernel calls them through their C wrapper, which would print
+# an error rather than raise it.
 
 
 @njit(cache=DISK_CACHE, nogil=True)
@@ -343,89 +341,6 @@ def rotate_range_vector(
     f1, s1, f2, s2 = _shares(g, first, stop)
     _direct_runs(False, x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
     _direct_runs(False, x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
-
-
-# Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
-# tasks than threads balance nothing by themselves; each costs its call and index decoding.
-# Sixteen per thread, of equal size, keep the shares within one task (a sixteenth) of each
-# other.
-_MIN_TASK_ROWS = 32
-_MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
-
-
-def scratch_blocks(tasks, rows, d, dtype, streaming):
-    """The scratch blocks of a launch: one per task, of whole rows of ``d`` elements of o's
-    ``dtype``, where ``streaming`` (SCRATCH); else empty. A parallel launch of ``rows`` rows
-    has ``tasks`` None: as many tasks as split them evenly."""
-    if tasks is None:
-        chunk = max(_MIN_TASK_ROWS, -(-rows // _MAX_TASKS))
-        tasks = -(-rows // chunk)
-    block = max(1, _STREAM_BLOCK_BYTES // (d * np.dtype(dtype).itemsize)) if streaming else 0
-    return np.empty((tasks, block * d), dtype)
-
-
-@njit(cache=DISK_CACHE, parallel=True)
-def rotate_parallel(
-    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch,
-    total,
-):  # fmt: skip
-    """The parallel entry point: rows 0..total-1 split into one task per scratch block, each a
-    call of ``kernel`` (one of the above, with the same arguments and its task's block).
-    ``kernel`` arrives as a function pointer (see :func:`launch_parallel`): this compiles once
-    per argument types for all of them, and no kernel's code is compiled into it."""
-    n = scratch.shape[0]
-    for task in prange(n):
-        t = np.int64(task)  # a prange index is unsigned; the kernel takes int64
-        kernel(
-            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail,
-            scratch[t], total * t // n, total * (t + 1) // n,
-        )  # fmt: skip
-
-
-class _Address:
-    """A compiled one-thread kernel as Numba's first-class function values see it: the address
-    of its C wrapper and its signature."""
-
-    __slots__ = ("address", "sig")
-
-    def __init__(self, address, sig):
-        self.address, self.sig = address, sig
-
-    def __wrapper_address__(self):
-        return self.address
-
-    def signature(self):
-        return self.sig
-
-
-# (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
-# types, the kernel's _Address)
-_parallel_entries = Bounded(256)
-# The key is the Numba dispatcher's own type key of each argument: about a microsecond for a
-# launch's arguments, where numba.typeof of each would cost fifty.
-try:
-    from numba._dispatcher import compute_fingerprint as _type_key
-except ImportError:  # not public API: numba.typeof is the documented equivalent
-    _type_key = numba.typeof
-
-
-def launch_parallel(kernel, args, scratch, total):
-    """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
-    arguments before the scratch block; ``scratch``: one block per task). The entry point for
-    the arguments' types is compiled, or loaded from the disk cache, the first time."""
-    args = (*args, scratch)
-    key = (kernel, tuple(map(_type_key, args)))
-    found = _parallel_entries.get(key)
-    if found is None:
-        arg_types = tuple(numba.typeof(a) for a in args)
-        sig = types.void(*arg_types[:-1], numba.typeof(scratch[0]), types.int64, types.int64)
-        kernel.compile(sig.args)
-        compiled = kernel.overloads[sig.args]
-        address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
-        entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
-        found = _parallel_entries.put(key, (entry, _Address(address, sig)))
-    entry, address = found
-    run_parallel(entry, address, *args, total)
 
 
 # By ``stream`` (see launch): the one-thread kernel

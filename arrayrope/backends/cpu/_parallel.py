@@ -1,0 +1,93 @@
+"""Parallel launches of the general path: rows split into tasks, each a call of one of the
+one-thread kernels of _rows, on Numba's threads.
+"""
+
+import numba
+import numpy as np
+from numba import config, njit, prange, types
+
+from ..._cache import Bounded
+from ._config import DISK_CACHE, run_parallel
+from ._rows import _STREAM_BLOCK_BYTES
+
+# Rows per parallel task. Numba hands each thread an equal share of the tasks, in order, so more
+# tasks than threads balance nothing by themselves; each costs its call and index decoding.
+# Sixteen per thread, of equal size, keep the shares within one task (a sixteenth) of each
+# other.
+_MIN_TASK_ROWS = 32
+_MAX_TASKS = min(256, 16 * config.NUMBA_NUM_THREADS)
+
+
+def scratch_blocks(tasks, rows, d, dtype, streaming):
+    """The scratch blocks of a launch: one per task, of whole rows of ``d`` elements of o's
+    ``dtype``, where ``streaming`` (SCRATCH); else empty. A parallel launch of ``rows`` rows
+    has ``tasks`` None: as many tasks as split them evenly."""
+    if tasks is None:
+        chunk = max(_MIN_TASK_ROWS, -(-rows // _MAX_TASKS))
+        tasks = -(-rows // chunk)
+    block = max(1, _STREAM_BLOCK_BYTES // (d * np.dtype(dtype).itemsize)) if streaming else 0
+    return np.empty((tasks, block * d), dtype)
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def rotate_parallel(
+    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch,
+    total,
+):  # fmt: skip
+    """The parallel entry point: rows 0..total-1 split into one task per scratch block, each a
+    call of ``kernel`` (a one-thread kernel of _rows, with the same arguments and its task's block).
+    ``kernel`` arrives as a function pointer (see :func:`launch_parallel`): this compiles once
+    per argument types for all of them, and no kernel's code is compiled into it."""
+    n = scratch.shape[0]
+    for task in prange(n):
+        t = np.int64(task)  # a prange index is unsigned; the kernel takes int64
+        kernel(
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail,
+            scratch[t], total * t // n, total * (t + 1) // n,
+        )  # fmt: skip
+
+
+class _Address:
+    """A compiled one-thread kernel as Numba's first-class function values see it: the address
+    of its C wrapper and its signature."""
+
+    __slots__ = ("address", "sig")
+
+    def __init__(self, address, sig):
+        self.address, self.sig = address, sig
+
+    def __wrapper_address__(self):
+        return self.address
+
+    def signature(self):
+        return self.sig
+
+
+# (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
+# types, the kernel's _Address)
+_parallel_entries = Bounded(256)
+# The key is the Numba dispatcher's own type key of each argument: about a microsecond for a
+# launch's arguments, where numba.typeof of each would cost fifty.
+try:
+    from numba._dispatcher import compute_fingerprint as _type_key
+except ImportError:  # not public API: numba.typeof is the documented equivalent
+    _type_key = numba.typeof
+
+
+def launch_parallel(kernel, args, scratch, total):
+    """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
+    arguments before the scratch block; ``scratch``: one block per task). The entry point for
+    the arguments' types is compiled, or loaded from the disk cache, the first time."""
+    args = (*args, scratch)
+    key = (kernel, tuple(map(_type_key, args)))
+    found = _parallel_entries.get(key)
+    if found is None:
+        arg_types = tuple(numba.typeof(a) for a in args)
+        sig = types.void(*arg_types[:-1], numba.typeof(scratch[0]), types.int64, types.int64)
+        kernel.compile(sig.args)
+        compiled = kernel.overloads[sig.args]
+        address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
+        entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
+        found = _parallel_entries.put(key, (entry, _Address(address, sig)))
+    entry, address = found
+    run_parallel(entry, address, *args, total)
