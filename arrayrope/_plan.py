@@ -123,6 +123,8 @@ class GeneralPlan:
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         # the reference works on any layout; the kernels address some through temporaries
         self.any_layout = backend == "numpy"
+        # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._device)
+        self.device_checked = array_family == CUPY and backend != "numpy"
         self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
         self.nlead = max(1, max(x.ndim - 1 for x in xs))
 
@@ -137,9 +139,11 @@ class GeneralPlan:
                 return self._run(xs, pos, inverse, outs, seq_len)
         return self._run(xs, pos, inverse, outs, seq_len)
 
-    def _positions(self, xs, pos):
+    def _positions(self, xs, pos, seq_len):
         """(values, is_int, highest) per operand: values int64 or float64 of shape P + (1 or
-        n_axes,), on the host or (CuPy positions) the device."""
+        n_axes,), on the host or (CuPy positions) the device. Device positions for a kernel
+        are checked by the kernel, and their highest value is None (unknown): reading it would
+        wait for the device. A length-dependent rule without seq_len reads it all the same."""
         if self.kind == NONE:
             found = []
             for x in xs:
@@ -153,18 +157,31 @@ class GeneralPlan:
         if values.size == 0:
             dtype = np.int64 if values.dtype.kind in "iu" else np.float64
             return [(values.astype(dtype), dtype == np.int64, -1)] * len(xs)
+        if (
+            self.device_checked
+            and _arrays.family(values) == CUPY
+            and not (self.spec.dynamic and seq_len is None)
+        ):
+            is_int = values.dtype.kind in "iu"
+            values = values.astype(np.int64 if is_int else np.float64, copy=False)
+            return [(values, is_int, None)] * len(xs)
         return [_positions.check_values(values)] * len(xs)
 
     def _tables(self, resolved, seq_len):
-        """cos, sin and one idx per operand: int64 table rows shaped like its positions."""
-        high = max(h for _, _, h in resolved)
+        """The frequency set's tables, cos, sin and one idx per operand: int64 table rows
+        shaped like its positions."""
+        unknown = resolved[0][2] is None  # device positions: all operands share them
+        high = -1 if unknown else max(h for _, _, h in resolved)
         seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
         tables = self.engine.freq_set(seq_len).tables
         xp, device = self.xp, self._device()
         if all(is_int for _, is_int, _ in resolved):
-            cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
+            if unknown:
+                cached = tables.whole(xp, device, self.table_dtype)
+            else:
+                cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
             if cached is not None:
-                return cached[0], cached[1], [values for values, _, _ in resolved]
+                return tables, cached[0], cached[1], [values for values, _, _ in resolved]
         # Real-valued positions, or integers past the cache: one exact row per position entry.
         rows, idxs, count = [], [], 0
         for values, _, _ in resolved:
@@ -180,20 +197,24 @@ class GeneralPlan:
         flat = [v.reshape(-1, v.shape[-1]).astype(np.float64, copy=False) for v in rows]
         value_xp = _arrays.namespace_of(flat[0])
         flat = flat[0] if len(flat) == 1 else value_xp.concatenate(flat)
+        if unknown:
+            from .backends.cuda._device import mark_invalid
+
+            flat = mark_invalid(xp, device, flat)
         cos, sin = tables.exact(value_xp, self.table_dtype, flat)
-        if value_xp is not xp:
-            cos, sin = xp.asarray(cos), xp.asarray(sin)
-        return cos, sin, idxs
+        return tables, cos, sin, idxs  # host rows for a device: copied by device_rows
 
     def _device(self):
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
-        cos, sin, idxs = self._tables(self._positions(xs, pos), seq_len)
         xp = self.xp
         if self.family == CUPY:
-            from .backends.cuda._device import device_rows
+            from .backends.cuda._device import device_rows, raise_flagged
 
+            raise_flagged(xp, self._device())
+        tables, cos, sin, idxs = self._tables(self._positions(xs, pos, seq_len), seq_len)
+        if self.family == CUPY:
             idxs, cos, sin = device_rows(xp, self._device(), idxs, cos, sin)
         if outs is None:
             results = tuple(xp.empty_like(x) for x in xs)
@@ -207,7 +228,10 @@ class GeneralPlan:
                 continue
             operands.append(self._operand(x, out, idx, same, write_back))
         if operands:
-            self.launch(self.spec, operands, cos, sin, inverse)
+            if self.device_checked:  # rows past the table are the kernel's to compute
+                self.launch(self.spec, operands, cos, sin, inverse, freqs=tables)
+            else:
+                self.launch(self.spec, operands, cos, sin, inverse)
         for temp, out in write_back:
             out[...] = temp
         return results

@@ -61,6 +61,7 @@ class CosSinTables:
         self.scale = float(scale)
         self.max_rows = max_rows
         self._tables = {}
+        self._on_device = {}  # pair_axis and inv_freq per device, for exact rows there
         self._lock = threading.Lock()
 
     def _cap(self, itemsize):
@@ -94,11 +95,23 @@ class CosSinTables:
             self._tables[key] = tables
             return tables
 
+    def whole(self, xp, device, dtype):
+        """The cache at its cap, for positions whose largest value the host does not know
+        (positions on a device): the kernels compute rows past it themselves."""
+        return self.cached(xp, device, dtype, self._cap(np.dtype(dtype).itemsize) - 1)
+
     def exact(self, xp, dtype, positions):
         """cos and sin stacked, shape (2, R, n_pairs), for float64 ``positions`` of shape
         (R, n_axes)."""
-        axis = self.pair_axis if xp is np else xp.asarray(self.pair_axis)
-        inv_freq = self.inv_freq if xp is np else xp.asarray(self.inv_freq)
+        if xp is np:
+            axis, inv_freq = self.pair_axis, self.inv_freq
+        else:  # copied to each device once
+            device = xp.cuda.Device().id
+            found = self._on_device.get(device)
+            if found is None:
+                found = (xp.asarray(self.pair_axis), xp.asarray(self.inv_freq))
+                found = self._on_device.setdefault(device, found)
+            axis, inv_freq = found
         # C order, as the cached tables: fancy indexing may hand back a transposed layout,
         # which the kernels' vector loads along a row cannot use
         angles = xp.ascontiguousarray(positions[:, axis] * inv_freq)

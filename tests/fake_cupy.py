@@ -75,6 +75,38 @@ class Stream:
 
     def synchronize(self):
         """Launches run as they are made here: nothing is ever pending."""
+        _refuse_while_capturing("a synchronization")
+
+    def is_capturing(self):
+        return self.ptr in _capturing
+
+    def begin_capture(self, mode=None):
+        """Launches on this stream are recorded, not run, until :meth:`end_capture`; a copy
+        from pageable memory or a read back to the host fails meanwhile, as on a device."""
+        _capturing[self.ptr] = []
+
+    def end_capture(self):
+        return Graph(_capturing.pop(self.ptr))
+
+
+class Graph:
+    def __init__(self, launches):
+        self.launches = launches
+
+    def launch(self, stream=None):
+        for run in self.launches:
+            run()
+
+
+_capturing = {}  # the launches recorded by each capturing stream, by its pointer
+
+
+def _refuse_while_capturing(what):
+    stream = get_current_stream()
+    if stream.is_capturing():
+        raise RuntimeError(
+            f"cudaErrorStreamCaptureUnsupported: {what} while stream {stream.ptr:#x} captures"
+        )
 
 
 def ExternalStream(ptr):  # noqa: N802 - CuPy's name
@@ -125,6 +157,8 @@ def _unwrap(value, device):
         raise TypeError(f"Unsupported type {type(value)}: a NumPy array mixed with a CuPy one")
     if isinstance(value, (list, tuple)):
         return type(value)(_unwrap(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _unwrap(v, device) for k, v in value.items()}
     return value
 
 
@@ -143,7 +177,14 @@ class ndarray:  # noqa: N801 (CuPy's name)
     # CuPy's, so that timing a call through the stand-in shows arrayrope's own cost
     __slots__ = ("_a", "_device", "_ptr", "shape", "strides", "dtype", "ndim", "size", "itemsize")
 
-    def __init__(self, a, device):
+    def __init__(self, a, device, memptr=None):
+        if memptr is not None:  # CuPy's ndarray(shape, dtype, memptr): a view of memory
+            shape, dtype, memory = a, np.dtype(device), memptr.mem
+            owner = np.frombuffer(memory.owner, np.uint8)
+            start = memory.ptr + memptr.offset - owner.__array_interface__["data"][0]
+            count = int(np.prod(shape))
+            a = np.frombuffer(owner, dtype, count, start).reshape(shape)
+            device = memory.device_id
         self._a = a
         self._device = device
         self._ptr = None
@@ -166,7 +207,27 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return _wrap(getattr(a, name)(*_unwrap(args, device), **_unwrap(kwargs, device)))
 
     def get(self):
+        _refuse_while_capturing("a copy to the host")
+        to_host.append((self.shape, self.dtype))
         return self._a.copy()
+
+    def set(self, arr, stream=None):
+        """A host-to-device copy: queued on ``stream`` from pinned memory, else a waiting
+        copy from pageable memory (recorded in ``transfers`` either way)."""
+        pinned = stream is not None and _is_pinned(arr)
+        if not pinned:
+            _refuse_while_capturing("a copy from pageable memory")
+        transfers.append((arr.shape, arr.dtype) + (("pinned",) if pinned else ()))
+        _unwrap(self, _here())[...] = arr
+
+    def item(self):
+        return self.get().item()
+
+    def all(self, *args, **kwargs):
+        return self._op("all", *args, **kwargs)
+
+    def any(self, *args, **kwargs):
+        return self._op("any", *args, **kwargs)
 
     def reshape(self, *shape, **kw):
         return self._op("reshape", *shape, **kw)
@@ -244,6 +305,9 @@ for _dunder, _ufunc in [
     setattr(ndarray, f"__{_dunder}__", _operator(_ufunc))
     setattr(ndarray, f"__r{_dunder}__", _operator(_ufunc, reflected=True))
     setattr(ndarray, f"__i{_dunder}__", _operator(_ufunc, in_place=True))
+for _dunder, _ufunc in [("and", "bitwise_and"), ("or", "bitwise_or")]:
+    setattr(ndarray, f"__{_dunder}__", _operator(_ufunc))
+ndarray.__invert__ = lambda self: np.invert(self)
 for _dunder, _ufunc in [
     ("lt", "less"),
     ("le", "less_equal"),
@@ -280,7 +344,10 @@ def _creator(func):
     return create
 
 
-transfers = []  # (shape, dtype) of every host-to-device copy, for the tests to count
+# (shape, dtype) of every host-to-device copy (with "pinned" where it was queued from pinned
+# memory) and of every device-to-host copy, for the tests to count
+transfers = []
+to_host = []
 
 
 def _asarray(a, dtype=None):
@@ -288,9 +355,59 @@ def _asarray(a, dtype=None):
         if a._device != _here():  # CuPy copies across devices
             return ndarray(a._a.astype(dtype or a.dtype), _here())
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    _refuse_while_capturing("a copy from pageable memory")
     copy = np.array(a, dtype=dtype)
     transfers.append((copy.shape, copy.dtype))
     return ndarray(copy, _here())
+
+
+_pinned = []  # every pinned allocation: host memory a copy can be queued from
+
+
+def _alloc_pinned_memory(nbytes):
+    memory = np.zeros(nbytes, np.uint8)
+    _pinned.append(memory)
+    return memory
+
+
+def _is_pinned(arr):
+    start = arr.__array_interface__["data"][0]
+    for memory in _pinned:
+        base = memory.__array_interface__["data"][0]
+        if base <= start and start + arr.nbytes <= base + memory.nbytes:
+            return True
+    return False
+
+
+class Event:
+    """A CUDA event: launches and copies run as they are made here, so it is done when
+    recorded; a test makes events pending to model a stream that runs behind."""
+
+    pending = False  # class-wide switch for the tests
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.recorded = False
+        self.waited = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    @property
+    def done(self):
+        return self.recorded and not Event.pending
+
+    def synchronize(self):
+        self.waited = True
+
+
+class UnownedMemory:
+    def __init__(self, ptr, size, owner, device_id=-1):
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset):
+        self.mem, self.offset = mem, offset
 
 
 def _ascontiguousarray(a, dtype=None):
@@ -323,8 +440,16 @@ class _Function:
             if isinstance(a, ndarray) and a._device != device:
                 raise ValueError(f"kernel argument {i} is on device {a._device}, not {device}")
         self.module.launches.append(self.name)
-        self.module.streams.append((stream or get_current_stream()).ptr)
-        host_cuda.run_kernel(self.module.library, self.name, grid, block, args, _address)
+        ptr = (stream or get_current_stream()).ptr
+        self.module.streams.append(ptr)
+
+        def run():
+            host_cuda.run_kernel(self.module.library, self.name, grid, block, args, _address)
+
+        if ptr in _capturing:
+            _capturing[ptr].append(run)  # runs when the graph does, reading memory then
+        else:
+            run()
 
 
 def _address(a):
@@ -354,6 +479,10 @@ def make(library):
         Stream=Stream,
         ExternalStream=ExternalStream,
         get_current_stream=get_current_stream,
+        Event=Event,
+        alloc_pinned_memory=_alloc_pinned_memory,
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
     )
     cupy.is_available = lambda: True
     modules = []
@@ -366,6 +495,7 @@ def make(library):
     cupy.RawModule = raw_module
     cupy.modules = modules  # for the tests: which modules were built, what each launched
     cupy.transfers = transfers
+    cupy.to_host = to_host
     cupy.__version__ = "0.0 (tests/fake_cupy.py)"
     cupy.cuda.runtime = types.SimpleNamespace(
         getDeviceProperties=lambda device: {"name": b"fake_cupy (host memory)"}
@@ -377,7 +507,16 @@ def make(library):
         setattr(cupy, name, _creator(getattr(np, name)))
     for name in ("empty_like", "zeros_like", "full_like"):
         setattr(cupy, name, _creator(getattr(np, name)))
-    for name in ("stack", "concatenate", "broadcast_to", "cos", "sin", "shares_memory"):
+    for name in (
+        "stack",
+        "concatenate",
+        "broadcast_to",
+        "cos",
+        "sin",
+        "shares_memory",
+        "where",
+        "maximum",
+    ):
         func = getattr(np, name)
         setattr(
             cupy,
@@ -408,11 +547,18 @@ def installed(library):
     would share)."""
 
     from arrayrope import _cache
+    from arrayrope.backends.cuda import _device
 
     def forget():
         _cache.clear_all()  # plans, shared RoPEs, compiled modules, device arrays
+        _device._staging.clear()  # what a process keeps for its life: new with each stand-in
+        _device._flags.clear()
         transfers.clear()
+        to_host.clear()
         _lost.clear()
+        _capturing.clear()
+        _pinned.clear()
+        Event.pending = False
 
     fake = make(library)
     profiler = types.ModuleType("cupyx.profiler")

@@ -119,7 +119,9 @@ def signature(storage, compute):
     data, rows = types.Array(storage, 1, "C"), types.Array(types.int64, 1, "C")
     table = types.Array(compute, 2, "C")
     return (data, data, rows, data, data, rows, types.Array(types.int64, 3, "C"), table, table,
-            rows, types.int64, types.int64, compute, types.int64, types.int64, types.int64)
+            rows, types.Array(types.float64, 1, "C"), types.float64,
+            types.Array(types.int32, 1, "C"), types.int64, types.int64, compute, types.int64,
+            types.int64, types.int64)
 
 cases = [(False, np.float32, types.float16, types.float32),
          (False, np.float32, types.float32, types.float32),
@@ -153,3 +155,35 @@ def test_kernels_compile_for_ampere_and_hopper():
     if done.stdout.startswith("MISSING"):
         pytest.skip(f"Numba's CUDA compiler cannot run here: {done.stdout.strip()}")
     assert "COMPILED 16" in done.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_rows_past_the_table_and_invalid_positions(dtype, style):
+    # Device positions reach the kernel unchecked: past the table it computes the rows itself,
+    # with the table's formula (the CPU's exact rows, bit for bit in the half types and
+    # float32), and an invalid one gives NaN and sets the error flag (raised here at once).
+    rng = np.random.default_rng()
+    rope = ar.RoPE(16, rotary_dim=12, style=style, max_positions=8)
+    x = rng.standard_normal((4, 16)).astype(dtype)
+    freqs = rope._engine.freq_set(None).tables
+    compute = np.float64 if dtype == np.float64 else np.float32
+    table = freqs.cached(np, None, compute, 7)
+    idx = np.array([[3], [8], [123456], [2**31 - 1]])
+    out = poisoned(x.shape, x.dtype)
+    operands = [(xp.asarray(x), xp.asarray(out), xp.asarray(idx))]
+    cuda_numba.launch(
+        rope._spec, operands, xp.asarray(table[0]), xp.asarray(table[1]), False, freqs=freqs
+    )
+    got, cpu = _to_host(operands[0][1]), rope.rotate(x, idx[:, 0])
+    if dtype == np.float64:  # the device's float64 cos may differ from NumPy's in an ulp
+        np.testing.assert_allclose(got, cpu, rtol=1e-15, atol=1e-15)
+    else:
+        np.testing.assert_array_equal(got.view(np.uint8), cpu.view(np.uint8))
+    if xp is np:
+        bad = [(x, poisoned(x.shape, x.dtype), np.array([[3], [-1], [2**31], [5]]))]
+        with pytest.raises(ar.RopeValueError, match="negative or 2\\*\\*31"):
+            cuda_numba.launch(rope._spec, bad, table[0], table[1], False, freqs=freqs)
+        got = bad[0][1]
+        assert np.isnan(got[1:3, :12].astype(np.float32)).all()
+        assert not np.isnan(got[[0, 3]].astype(np.float32)).any()

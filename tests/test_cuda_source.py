@@ -106,18 +106,26 @@ def test_entry_points_per_dtype_and_style():
         assert f"ROPE_ENTRY({name}," in SOURCE
 
 
+def _host_place(key, host):
+    return host() if callable(host) else host
+
+
 def _host_launcher(library, launched=None):
     """The CuPy launcher's packing (launch_plan), run by the host build of the source; the
     names of the entry points it ran are appended to ``launched``."""
     from arrayrope.backends.cuda.cupy import launch_plan
 
-    def launch(spec, operands, cos, sin, inverse):
+    def launch(spec, operands, cos, sin, inverse, freqs=None):
         tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-        name, grid, block, arrays, g, nlead, scalars = launch_plan(spec, operands, tables, inverse)
-        args = (*arrays, g, nlead, *tables, spec.pair_axis.astype(np.int32), *scalars)
+        flag = np.zeros(1, np.int32)
+        name, grid, block, args = launch_plan(
+            spec, operands, tables, inverse, freqs, flag, _host_place
+        )
         run_kernel(library, name, grid, block, args, lambda a: a.ctypes.data)
         if launched is not None:
             launched.append(name)
+        if flag[0]:
+            raise ar.RopeValueError("pos holds values that are negative or 2**31 or more")
 
     return launch
 
@@ -222,6 +230,50 @@ def test_source_on_the_host_rotates_q_and_k_in_one_launch(host_kernels):
     qr, kr = run_launcher(_host_launcher(host_kernels), rope, (q, k), pos, outs=outs)
     np.testing.assert_allclose(qr, ar.rotate(q, pos), rtol=0, atol=2e-6)
     np.testing.assert_allclose(kr, ar.rotate(k, pos), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("layout", ["one axis", "sectioned"])
+def test_source_on_the_host_rows_past_the_table_and_invalid_positions(
+    host_kernels, dtype, style, layout
+):
+    # Device positions reach the kernel unchecked: past the table's rows it computes a row
+    # itself with the table's formula (the CPU's exact rows: the same bits, but in float64,
+    # where libm's cos may differ from NumPy's in an ulp); an invalid one gives NaN for the
+    # pairs that read it, and sets the error flag.
+    rng = np.random.default_rng()
+    if layout == "one axis":
+        rope = ar.RoPE(16, rotary_dim=12, style=style, max_positions=8)
+        idx = np.array([[3], [8], [123456], [2**31 - 1]])
+        bad = np.array([[3], [-1], [2**31], [5]])
+    else:
+        rope = ar.RoPE.sectioned(16, (2, 3, 3), style=style, max_positions=8)
+        idx = np.array([[3, 9, 1], [8, 2, 70000], [123456, 0, 7], [2**31 - 1, 5, 6]])
+        bad = np.array([[3, 1, 2], [3, -1, 2], [3, 2**31, 2], [1, 2, 3]])
+    x = random_array(rng, (4, 16), dtype)
+    freqs = rope._engine.freq_set(None).tables
+    compute = np.float64 if dtype == np.float64 else np.float32
+    table = freqs.cached(np, None, compute, 7)
+    launch = _host_launcher(host_kernels)
+    out = poisoned(x.shape, x.dtype)
+    launch(rope._spec, [(x, out, idx)], table[0], table[1], False, freqs=freqs)
+    cpu = rope.rotate(x, idx if layout == "sectioned" else idx[:, 0])
+    if dtype == np.float64:
+        np.testing.assert_allclose(out, cpu, rtol=1e-15, atol=1e-15)
+    else:
+        np.testing.assert_array_equal(bits(out), bits(cpu))
+    out = poisoned(x.shape, x.dtype)
+    with pytest.raises(ar.RopeValueError, match="negative or 2\\*\\*31"):
+        launch(rope._spec, [(x, out, bad)], table[0], table[1], False, freqs=freqs)
+    nan, r = np.isnan(out.astype(np.float32)), rope.rotary_dim
+    assert not nan[[0, 3]].any() and nan[1:3].any() and not nan[:, r:].any()
+    reads_bad = nan[1:3].any(axis=0)  # the same features in both rows: an axis's pairs
+    assert (nan[1:3] == reads_bad).all()
+    if layout == "sectioned":
+        assert reads_bad.sum() == 6  # axis 1's three pairs
+    else:
+        assert reads_bad[:r].all()
 
 
 def test_source_on_the_host_takes_multi_axis_positions(host_kernels):
@@ -342,8 +394,9 @@ table = np.zeros((4, 32), np.float32)
 g = np.zeros((2, 4, 2), np.int64)
 g[0, 0, 0], g[0, 1, 0], g[0, 2, 0] = 1, 64, 64
 args = (odd, odd, np.zeros(1, np.int64), odd, odd, np.zeros(1, np.int64), g, np.int32(1),
-        table, table, np.zeros(32, np.int32), np.int32(64), np.int32(64), np.float32(1.0),
-        np.int32(0), np.int64(1), np.int64(0))
+        table, table, np.int64(4), np.zeros(32, np.int32), np.zeros(32), np.float64(1.0),
+        np.zeros(1, np.int32), np.int32(64), np.int32(64), np.float32(1.0), np.int32(0),
+        np.int64(1), np.int64(0))
 run_kernel(library, "rope_float32_interleaved", (1,), (32, 8), args, lambda a: a.ctypes.data)
 print("no fault")
 """

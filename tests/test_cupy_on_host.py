@@ -182,25 +182,148 @@ def test_steps_copy_nothing_to_the_device(cp, rng, backend):
     rows = cp.asarray(rng.standard_normal((1, 32, 2, 128)).astype(np.float32))
     rope.rotate(rows, np.array([1, 2]), backend=backend)  # the layout's geometry goes once
     cp.transfers.clear()
-    rope.rotate(rows, np.array([7, 9]), backend=backend)  # a host array: its one copy
-    assert cp.transfers == [((2, 1), np.dtype(np.int64))]
+    rope.rotate(rows, np.array([7, 9]), backend=backend)  # a host array: one queued copy
+    assert cp.transfers == [((2, 1), np.dtype(np.int64), "pinned")]
 
 
-@pytest.mark.parametrize(
-    "pos, message",
-    [
-        ([-1, 2], "non-negative"),
-        ([0.5, np.nan], "finite"),
-        ([0, 2**31], "below 2\\*\\*31"),
-    ],
-)
-def test_bad_device_positions_leave_out_untouched(cp, pos, message):
+BAD_POSITIONS = [
+    np.array([-1, 2]),
+    np.array([2**31, 2]),
+    np.array([np.nan, 2.0]),
+    np.array([-0.5, 2.0]),
+    np.array([np.inf, 2.0]),
+]
+
+
+@pytest.mark.parametrize("pos", BAD_POSITIONS, ids=str)
+def test_bad_device_positions_give_nan_rows_and_raise_at_the_next_call(cp, pos):
+    # Checked on the device, by the kernel: the host never waits for a range check. The rows
+    # of an invalid position are NaN at once, the error comes with the next call on the device.
+    x = random_array(np.random.default_rng(0), (2, 3, 8), np.float32)
+    out = cp.full(x.shape, 7.0, dtype=np.float32)
+    dx, dpos = cp.asarray(x), cp.asarray(pos)[:, None]
+    ar.rotate(dx, cp.asarray(np.zeros_like(pos))[:, None])  # compiled, tables, error flag
+    cp.transfers.clear()
+    assert ar.rotate(dx, dpos, out=out) is out
+    assert cp.transfers == [] and cp.to_host == []  # nothing went either way
+    got = out.get()
+    assert np.isnan(got[0]).all()
+    np.testing.assert_allclose(got[1], oracle(x[1], 2), rtol=0, atol=3e-6)
+    with pytest.raises(ar.RopeValueError, match="earlier call on CUDA device 0"):
+        ar.rotate(cp.asarray(x), 1, out=out)
+    np.testing.assert_array_equal(out.get(), got)  # the call that raised did nothing
+    ar.rotate(cp.asarray(x), 1, out=out)  # raised once: the flag is cleared
+    np.testing.assert_allclose(out.get(), oracle(x, 1), rtol=0, atol=3e-6)
+
+
+def test_bad_multi_axis_device_positions_give_nan_rows(cp):
+    rope = ar.RoPE.axial((4, 4))
+    x = random_array(np.random.default_rng(0), (3, 8), np.float32)
+    pos = cp.asarray(np.array([[1, 2], [3, -4], [5, 6]]))
+    got = rope.rotate(cp.asarray(x), pos).get()
+    assert not np.isnan(got[[0, 2]]).any()
+    assert np.isnan(got[1, 4:]).all() and not np.isnan(got[1, :4]).any()  # axis 1's pairs
+    np.testing.assert_allclose(got[[0, 2]], rope.rotate(x[[0, 2]], pos.get()[[0, 2]]), atol=3e-6)
+    with pytest.raises(ar.RopeValueError, match="earlier call"):
+        rope.rotate(cp.asarray(x), pos)
+    real = rope.rotate(cp.asarray(x), pos.astype(np.float64)).get()  # exact rows: the same
+    np.testing.assert_array_equal(np.isnan(real), np.isnan(got))
+
+
+@pytest.mark.parametrize("pos", BAD_POSITIONS, ids=str)
+def test_bad_device_positions_for_the_reference_raise_at_once(cp, pos):
+    # backend="numpy" indexes tables with array operations, which would wrap or clamp a bad
+    # index: it reads the positions' range on the host first, and writes nothing on an error.
     x = cp.ones((2, 8), np.float32)
     out = cp.full((2, 8), 7.0, dtype=np.float32)
-    with pytest.raises(ar.RopeValueError, match=message):
-        ar.rotate(x, cp.asarray(np.array(pos)), out=out)
+    with pytest.raises(ar.RopeValueError, match="pos must"):
+        ar.rotate(x, cp.asarray(pos), out=out, backend="numpy")
     assert (out.get() == 7.0).all() and (x.get() == 1.0).all()
     assert _launches(cp) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_axes", [1, 2])
+def test_device_positions_past_the_table_are_computed_by_the_kernel(cp, rng, dtype, n_axes):
+    # A table of 16 rows; device positions far past it, up to 2**31 - 1: the kernel computes
+    # those rows with the table's own formula, so the results match the CPU, which builds
+    # exact rows for them on the host.
+    if n_axes == 1:
+        rope = ar.RoPE(16, rotary_dim=12, max_positions=16)
+    else:
+        rope = ar.RoPE.axial((8, 8), max_positions=16)
+    x = random_array(rng, (2, 4, 7, 16), dtype)
+    values = np.array([0, 5, 15, 16, 1000, 123456789, 2**31 - 1])
+    values = values if n_axes == 1 else np.stack([values, values[::-1]], -1)
+    pos = cp.asarray(values)
+    cp.to_host.clear()
+    got = rope.rotate(cp.asarray(x), pos).get()
+    assert cp.to_host == [(x.shape, x.dtype)]  # the result, fetched by the test
+    cpu = rope.rotate(x, values)
+    if n_axes == 1:
+        assert_matches(got, oracle(x, values, rotary_dim=12), x)
+    if dtype != np.float64:  # the angle's float64 cos, rounded once to float32: the same bits
+        np.testing.assert_array_equal(bits(got), bits(cpu))
+    else:
+        np.testing.assert_allclose(got, cpu, rtol=1e-15, atol=1e-15)
+
+
+def test_device_positions_copy_nothing_and_wait_for_nothing(cp, rng):
+    rope = ar.RoPE(128)
+    x = cp.asarray(rng.standard_normal((1, 32, 1, 128)).astype(np.float32))
+    out = cp.empty_like(x)
+    pos = cp.asarray(np.array([4000]))
+    rope.rotate(x, pos, out=out)
+    rope.rotate_qk(x, x, pos)
+    cp.transfers.clear()
+    for step in range(4000, 4010):
+        pos[...] = step  # a device-side update, as a decode loop makes
+        rope.rotate(x, pos, out=out)
+        rope.rotate_qk(x, x, pos)
+    assert cp.transfers == [] and cp.to_host == []
+    np.testing.assert_allclose(out.get(), oracle(x.get(), 4009), rtol=0, atol=3e-6)
+
+
+def test_graph_capture_takes_device_and_int_positions_and_refuses_host_arrays(cp, rng):
+    # A captured graph replays its copies: a host array would be copied again from a buffer
+    # arrayrope reuses. Device positions are read when the graph runs; an int is a constant.
+    rope = ar.RoPE(16)
+    x = cp.asarray(rng.standard_normal((2, 3, 16)).astype(np.float32))
+    out = cp.empty_like(x)
+    pos = cp.asarray(np.array([5, 6, 7]))
+    for p in (pos, 3, np.array([5, 6, 7])):
+        rope.rotate(x, p, out=out)  # warm, as before any capture: tables on the device
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        rope.rotate(x, pos, out=out)
+        with pytest.raises(ar.RopeValueError, match="capturing a CUDA graph"):
+            rope.rotate(x, np.array([5, 6, 7]), out=out)
+        graph = stream.end_capture()
+    pos[...] = cp.asarray(np.array([40, 50, 60]))
+    graph.launch()
+    np.testing.assert_allclose(out.get(), oracle(x.get(), np.array([40, 50, 60])), atol=3e-6)
+
+
+def test_staging_buffers_are_not_refilled_while_their_copy_is_queued(cp):
+    # A pinned buffer goes back into use only once the copy out of it has run: with every
+    # copy still queued, each upload takes a buffer of its own, up to the limit, where the
+    # host waits for the oldest.
+    from arrayrope.backends.cuda import _device
+
+    fake_cupy.Event.pending = True
+    seen = []
+    for i in range(_device._STAGED + 3):
+        got = _device.upload(cp, 0, np.full(3, i))
+        np.testing.assert_array_equal(got.get(), [i] * 3)
+        seen.append(id(_device._staging[0][-1][0]))
+    slots = _device._staging[0]
+    assert len(slots) == _device._STAGED
+    assert len(set(seen[: _device._STAGED])) == _device._STAGED
+    assert sum(slot[2].waited for slot in slots) == 0  # waited events were replaced
+    fake_cupy.Event.pending = False
+    _device.upload(cp, 0, np.arange(1000))  # larger than a buffer: a larger one
+    assert max(slot[1] for slot in slots) == 8192
 
 
 def test_decode_step(cp, rng):
@@ -223,7 +346,7 @@ def test_gpu_benchmark_script_runs(cp, monkeypatch):
     from bench.bench import gpu_rows
     from bench.gpu_check import table
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("numba-cuda is not run on the stand-in")
 
     monkeypatch.setitem(backends._loaded, "numba-cuda", types.SimpleNamespace(launch=broken))
@@ -337,3 +460,26 @@ def test_operands_with_their_own_rows_past_the_cache(cp, rng):
         q_rot, k_rot = rope.rotate_qk(cp.asarray(q), cp.asarray(k), backend=backend)
         np.testing.assert_allclose(q_rot.get(), oracle(q), rtol=0, atol=3e-6)
         np.testing.assert_allclose(k_rot.get(), oracle(k), rtol=0, atol=3e-6)
+
+
+def test_gpu_check_counts_the_traffic_of_a_decode_call(cp, monkeypatch):
+    # bench/gpu_check.py's decode table, on the stand-in: every path that copies nothing
+    # captures in a graph; two host positions are one queued copy, refused during capture.
+    # numba-cuda cannot take the stand-in's arrays: its rows report an error.
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
+    from bench.gpu_check import decode_traffic
+
+    found = decode_traffic(cp, np, calls=5)
+    for name in (
+        "int position, out=",
+        "default positions",
+        "one host position",
+        "device position array",
+        "device position past the table",
+    ):
+        assert found[name] == {"graph capture": "yes"}, (name, found[name])
+    assert found["two host positions"] == {
+        "to device (queued)": 1.0,
+        "graph capture": "no (RopeValueError)",
+    }
+    assert all("error" in found[name] for name in found if name.startswith("numba-cuda"))

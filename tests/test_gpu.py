@@ -213,6 +213,56 @@ def test_torch_cuda_graph_capture():
     np.testing.assert_allclose(out.cpu().numpy(), rope.rotate(x.cpu().numpy(), 5), atol=2e-6)
 
 
+def test_device_positions_capture_in_a_cupy_graph():
+    # Device positions are checked by the kernel: no copy to the host, no synchronization, so
+    # the call can be captured, and a replay reads the positions as they are then. A host
+    # position array is refused during capture with a clear error.
+    rng = np.random.default_rng()
+    rope = ar.RoPE(128)
+    x = cupy.asarray(rng.standard_normal((1, 32, 2, 128)).astype(np.float32))
+    out = cupy.empty_like(x)
+    pos = cupy.asarray(np.array([5, 6]))
+    rope.rotate(x, pos, out=out)  # warm: compiled, tables on the device
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            rope.rotate(x, pos, out=out)
+            with pytest.raises(ar.RopeValueError, match="capturing a CUDA graph"):
+                rope.rotate(x, np.array([5, 6]), out=out)
+        finally:
+            graph = stream.end_capture()
+    for step in (70000, 123):  # past the table, then in it
+        pos[...] = cupy.asarray(np.array([step, step + 1]))
+        graph.launch(stream)
+        stream.synchronize()
+        expected = oracle(x.get(), np.array([step, step + 1]))
+        np.testing.assert_allclose(out.get(), expected, rtol=0, atol=3e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_device_positions_give_nan_and_raise_at_the_next_call(backend):
+    x = cupy.ones((3, 16), np.float32)
+    pos = cupy.asarray(np.array([1, -1, 2**31]))
+    got = ar.rotate(x, pos, backend=backend)
+    cupy.cuda.Device().synchronize()
+    host = got.get()
+    assert np.isnan(host[1:]).all() and not np.isnan(host[0]).any()
+    with pytest.raises(ar.RopeValueError, match="earlier call on CUDA device"):
+        ar.rotate(x, 1, backend=backend)
+    ar.rotate(x, 1, backend=backend)  # the flag was cleared
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_positions_past_the_table(backend):
+    rng = np.random.default_rng()
+    rope = ar.RoPE(64, max_positions=16)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    values = np.array([3, 16, 70000, 123456789, 2**31 - 1])
+    got = rope.rotate(cupy.asarray(x), cupy.asarray(values), backend=backend).get()
+    np.testing.assert_array_equal(got.view(np.uint32), rope.rotate(x, values).view(np.uint32))
+
+
 def test_writable_broadcast_outputs_are_refused():
     x = cupy.ones((4, 16), np.float32)
     shared = cupy.broadcast_to(cupy.zeros(16, np.float32), (4, 16))

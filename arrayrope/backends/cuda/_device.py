@@ -1,13 +1,22 @@
-"""Small host arrays kept on each CUDA device, so that a call copies nothing to the device that
-an earlier call already copied (launch geometry, pair axes, default and scalar positions).
+"""What a call keeps on each CUDA device, and how it gets there without making the host wait.
 
-A host-to-device copy costs microseconds and, from pageable memory, waits for the copy engine:
-on the decode path that would be most of a call's host time.
+- Small host arrays (launch geometry, pair axes, frequencies, default and scalar positions) are
+  copied once per device and kept (:func:`on_device`).
+- Any other host array a call needs there (host positions, their exact table rows) goes through
+  a pinned staging buffer: a copy from pinned memory is queued on the current stream and the
+  host goes on, where a copy from pageable memory waits (:func:`upload`).
+- Positions on the device are checked there, by the kernels: an invalid one (negative, 2**31 or
+  more, not finite) gives NaN for its rows and sets the device's error flag, a word of pinned
+  host memory the kernels write directly. The host reads it at the next call on that device and
+  raises there (:func:`raise_flagged`): reading it at once would mean waiting for the kernel.
 """
+
+import threading
 
 import numpy as np
 
 from ..._cache import Bounded
+from ..._errors import RopeValueError
 from ..._positions import is_default
 
 _kept = Bounded(512)
@@ -25,25 +34,135 @@ def on_device(cupy, device, key, host):
     return found
 
 
+# Pinned staging buffers: per device, a list of [buffer, capacity, event of its last copy].
+# A buffer is written again only once its event says the copy out of it has run, so a stream
+# that runs behind never reads a buffer refilled under it. At most _STAGED buffers per device;
+# past that the host waits for the oldest copy.
+_staging = {}  # never dropped while the process runs: a copy may still read a buffer
+_staging_lock = threading.Lock()
+_STAGED = 32
+_MIN_STAGE = 4096
+
+
+def upload(cupy, device, host):
+    """A device copy of the NumPy array ``host``, queued on the current stream from pinned
+    memory: the host does not wait for it. Refused during graph capture, where the copy would
+    be replayed from a buffer arrayrope reuses."""
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        raise RopeValueError(
+            "pos is a host array, and the current stream is capturing a CUDA graph: the graph "
+            "would copy it again at every replay, from a buffer arrayrope reuses. Pass positions "
+            "on the device (they are read when the graph runs) or an int"
+        )
+    host = np.ascontiguousarray(host)
+    nbytes = max(host.nbytes, 1)
+    with _staging_lock:
+        slots = _staging.setdefault(device, [])
+        slot = next((s for s in slots if s[1] >= nbytes and (s[2] is None or s[2].done)), None)
+        if slot is None:
+            if len(slots) >= _STAGED:
+                slots[0][2].synchronize()  # every buffer is in flight: wait for the oldest
+                slot = slots.pop(0)
+                slots.append(slot)
+                if slot[1] < nbytes:
+                    slot[:2] = _pinned(cupy, nbytes)
+            else:
+                slot = [*_pinned(cupy, nbytes), None]
+                slots.append(slot)
+        staged = np.frombuffer(slot[0], np.uint8, host.nbytes)
+        staged[:] = host.reshape(-1).view(np.uint8)
+        result = cupy.empty(host.shape, host.dtype)
+        result.set(staged.view(host.dtype).reshape(host.shape), stream=stream)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        slot[2] = event
+    return result
+
+
+def _pinned(cupy, nbytes):
+    capacity = max(_MIN_STAGE, 1 << (nbytes - 1).bit_length())
+    return cupy.cuda.alloc_pinned_memory(capacity), capacity
+
+
+# The error flag of each device: (device array, host view) of one int32 in pinned memory,
+# never dropped while the process runs (a kernel may still write it).
+_flags = {}
+_flags_lock = threading.Lock()
+
+
+def error_flag(cupy, device):
+    """The device's error flag as a device array (one int32 the kernels set to 1 for an invalid
+    position) and as a NumPy view of the same pinned memory."""
+    found = _flags.get(device)
+    if found is None:
+        with _flags_lock:
+            found = _flags.get(device)
+            if found is None:
+                memory = cupy.cuda.alloc_pinned_memory(4)
+                host = np.frombuffer(memory, np.int32, 1)
+                host[0] = 0
+                # Under unified addressing (every 64-bit platform CUDA supports), pinned host
+                # memory is accessible from every device at its host address.
+                address = host.__array_interface__["data"][0]
+                owned = cupy.cuda.UnownedMemory(address, 4, memory, device)
+                flag = cupy.ndarray((1,), np.int32, cupy.cuda.MemoryPointer(owned, 0))
+                found = _flags[device] = (flag, host)
+    return found
+
+
+def mark_invalid(cupy, device, values):
+    """float64 device positions with every invalid value (negative, or not finite) made NaN,
+    which makes the table entries of the pairs that read it NaN, as the kernels do for integer
+    positions; the device's error flag is set where there is one. Device operations only:
+    nothing waits."""
+    invalid = ~((values >= 0) & (values < np.inf))
+    flag = error_flag(cupy, device)[0]
+    cupy.maximum(flag, invalid.any().astype(np.int32), out=flag)
+    return cupy.where(invalid, np.nan, values)
+
+
+def raise_flagged(cupy, device):
+    """Raise where a kernel on ``device`` met an invalid device position since the last look;
+    the flag is cleared."""
+    found = _flags.get(device)
+    if found is not None and found[1][0]:
+        found[1][0] = 0
+        raise RopeValueError(
+            f"pos: an earlier call on CUDA device {device} was given device positions that are "
+            "negative, 2**31 or more, or not finite, and wrote NaN for their rows. Positions on "
+            "a device are checked there, without waiting for the kernel, so the error is raised "
+            "by the next call on that device (this one, which did nothing)"
+        )
+
+
 def device_rows(cupy, device, idxs, cos, sin):
     """Row indices on the current device, one per operand, and the tables they index. Default
     positions (an arange arrayrope keeps) are copied once per device; a single position shared
     by every operand is a zero row index into its own row of the tables (a view), so a decode
-    step copies nothing to the device. Any other host idx is copied; device positions are
-    copied only where their start is not aligned to their element size, which a GPU's typed
-    loads require."""
+    step copies nothing to the device. Other host arrays (positions, exact table rows) go
+    through :func:`upload`; device positions are copied only where their start is not aligned
+    to their element size, which a GPU's typed loads require."""
     first = idxs[0]
     if all(idx is first for idx in idxs) and isinstance(first, np.ndarray):
         if first.shape == (1, 1) and not is_default(first):
             p = int(first[0, 0])
             zero = on_device(cupy, device, "zero", _ZERO)
-            return [zero] * len(idxs), cos[p : p + 1], sin[p : p + 1]
-    return [_on_device(cupy, device, idx) for idx in idxs], cos, sin
+            return (
+                [zero] * len(idxs),
+                _on_device(cupy, device, cos[p : p + 1]),
+                _on_device(cupy, device, sin[p : p + 1]),
+            )
+    rows = []
+    for idx in idxs:
+        same = next((i for i, seen in enumerate(idxs[: len(rows)]) if seen is idx), None)
+        rows.append(rows[same] if same is not None else _on_device(cupy, device, idx))
+    return rows, _on_device(cupy, device, cos), _on_device(cupy, device, sin)
 
 
-def _on_device(cupy, device, idx):
-    if not isinstance(idx, np.ndarray):
-        return idx.copy() if idx.data.ptr % idx.itemsize else idx
-    if is_default(idx):
-        return on_device(cupy, device, ("arange", idx.shape[0]), idx)
-    return cupy.asarray(idx)
+def _on_device(cupy, device, a):
+    if not isinstance(a, np.ndarray):
+        return a.copy() if a.data.ptr % a.itemsize else a
+    if is_default(a):
+        return on_device(cupy, device, ("arange", a.shape[0]), a)
+    return upload(cupy, device, a)

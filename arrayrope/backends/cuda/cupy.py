@@ -19,7 +19,7 @@ import numpy as np
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
-from ._device import on_device
+from ._device import error_flag, on_device
 
 LANES = 32
 WARPS_PER_BLOCK = 8
@@ -137,12 +137,18 @@ def _pairs_per_access(spec, operands, tables):
 _ENTRY_PREFIX = {}  # "rope_<dtype>_<style>" by (dtype, style): dtype.name is slow to build
 
 
-def launch_plan(spec, operands, tables, inverse):
-    """What one launch takes, host side: (kernel name, grid, block, the six operand arrays,
-    geometry g, nlead, and the scalars after the tables: rotary_dim, d, sign, copy_tail, n1,
-    n2). The kernel's arguments are the arrays, g, nlead, cos, sin (``tables``, C-contiguous),
-    pair_axis (int32), then those scalars. Shared by :func:`launch` and the tests, which run the
-    same source on the host."""
+def launch_plan(spec, operands, tables, inverse, freqs, flag, place):
+    """What one launch takes, host side: (kernel name, grid, block, args), args in the kernel's
+    order: the six operand arrays, geometry g, nlead, cos, sin (``tables``, C-contiguous), the
+    table's rows, pair_axis (int32), inv_freq (float64), scale, the error flag ``flag``, then
+    rotary_dim, d, sign, copy_tail, n1, n2. Small host arrays (g, pair_axis, inv_freq) pass
+    through ``place(key, host)`` (host: an array, or a function that makes it), which keeps
+    them on the device for :func:`launch`; the tests, which run the same source on the host,
+    pass them through.
+
+    ``freqs`` (the frequency set's ``CosSinTables``) gives the rows past the table that the
+    kernel computes for device positions; None where every position is in the table (a row
+    past it would be NaN)."""
     x0 = operands[0][0]
     g = geometry(operands, flat=False)
     arrays = []
@@ -155,7 +161,21 @@ def launch_plan(spec, operands, tables, inverse):
     d = x0.shape[-1]
     copy_tail = tail_mask(spec.rotary_dim, operands)
     compute = np.float64 if x0.dtype == np.float64 else np.float32
-    scalars = (
+    axes = spec.pair_axis
+    if freqs is None:
+        inv_freq, scale = np.zeros(axes.shape[0]), np.nan
+    else:
+        inv_freq, scale = freqs.inv_freq, freqs.scale
+    args = (
+        *arrays,
+        place(("g", g.shape, g.tobytes()), g),
+        np.int32(g.shape[2] - 1),
+        *tables,
+        np.int64(tables[0].shape[0]),
+        place(("axes", "int32", axes.tobytes()), lambda: axes.astype(np.int32)),
+        place(("inv_freq", inv_freq.tobytes()), inv_freq),
+        np.float64(scale),
+        flag,
         np.int32(spec.rotary_dim),
         np.int32(d),
         compute(-1.0 if inverse else 1.0),
@@ -169,27 +189,23 @@ def launch_plan(spec, operands, tables, inverse):
     if prefix is None:
         prefix = _ENTRY_PREFIX[(x0.dtype, spec.style)] = f"rope_{x0.dtype.name}_{spec.style}"
     name = prefix + (f"_v{p}" if p else "")
-    block = (LANES, WARPS_PER_BLOCK)
-    return name, grid, block, tuple(arrays), g, np.int32(g.shape[2] - 1), scalars
+    return name, grid, (LANES, WARPS_PER_BLOCK), args
 
 
-def launch(spec, operands, cos, sin, inverse):
-    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``."""
+def launch(spec, operands, cos, sin, inverse, freqs=None):
+    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``, and
+    ``freqs`` as for :func:`launch_plan`."""
     cupy = require_cupy()
     device = operands[0][0].device
     with device:
         device = device.id
         tables = (cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin))
-        name, grid, block, arrays, g_host, nlead, scalars = launch_plan(
-            spec, operands, tables, inverse
-        )
-        g = on_device(cupy, device, ("g", g_host.shape, g_host.tobytes()), g_host)
-        axes = spec.pair_axis
-        pair_axis = on_device(
-            cupy, device, ("axes", "int32", axes.tobytes()), lambda: axes.astype(np.int32)
-        )
-        _function(cupy, device, name)(
-            grid=grid, block=block, args=(*arrays, g, nlead, *tables, pair_axis, *scalars)
-        )
+
+        def place(key, host):
+            return on_device(cupy, device, key, host)
+
+        flag = error_flag(cupy, device)[0]
+        name, grid, block, args = launch_plan(spec, operands, tables, inverse, freqs, flag, place)
+        _function(cupy, device, name)(grid=grid, block=block, args=args)
     global last_entry
     last_entry = name

@@ -10,11 +10,13 @@ warp, element by element. The CuPy kernels (``backends.cuda.cupy``) add vector a
 load all of a warp's rows before storing any.
 """
 
+import math
+
 import numpy as np
 
-from ..._errors import BackendUnavailableError
+from ..._errors import BackendUnavailableError, RopeValueError
 from .._geometry import flat_view, geometry, rows, tail_mask
-from ._device import on_device
+from ._device import error_flag, on_device
 
 try:
     # A module global, not a closure variable: the simulator swaps the kernels' global ``cuda``
@@ -105,7 +107,25 @@ def _kernel(bf16_bits, half_style, compute):
 
     @cuda.jit
     def rope_kernel(
-        x1, o1, i1, x2, o2, i2, g, cos, sin, pair_axis, rotary_dim, d, sign, copy_tail, n1, n2
+        x1,
+        o1,
+        i1,
+        x2,
+        o2,
+        i2,
+        g,
+        cos,
+        sin,
+        pair_axis,
+        inv_freq,
+        scale,
+        flagged,
+        rotary_dim,
+        d,
+        sign,
+        copy_tail,
+        n1,
+        n2,
     ):
         # Each warp takes ROWS_PER_WARP consecutive rows: the first row's coordinates come from
         # divisions (Python-semantics integer division, dozens of instructions), the next ones
@@ -146,8 +166,16 @@ def _kernel(bf16_bits, half_style, compute):
             j = cuda.threadIdx.x
             while j < half:
                 p = idx[pb + pair_axis[j] * axis_stride]
-                c = cos[p, j]
-                s = sin[p, j] * sign
+                if p >= 0 and p < cos.shape[0]:
+                    c = cos[p, j]
+                    s = sin[p, j] * sign
+                elif p < 0 or p >= 2147483648:  # invalid: NaN rows, and the error flag
+                    flagged[0] = 1
+                    c = s = compute(math.nan)
+                else:  # past the table: its own formula, in float64, rounded once
+                    angle = np.float64(p) * inv_freq[j]
+                    c = compute(math.cos(angle) * scale)
+                    s = compute(math.sin(angle) * scale) * sign
                 if half_style:
                     ia = j
                     ib = j + half
@@ -173,10 +201,13 @@ def _kernel(bf16_bits, half_style, compute):
     return rope_kernel
 
 
-def launch(spec, operands, cos, sin, inverse):
-    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``.
+def launch(spec, operands, cos, sin, inverse, freqs=None):
+    """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``, and
+    ``freqs`` as for ``backends.cuda.cupy.launch_plan``: positions past the table are computed
+    from it, invalid ones give NaN rows and set the device's error flag.
 
-    Operands are CuPy arrays on a GPU, or NumPy arrays under the CUDA simulator.
+    Operands are CuPy arrays on a GPU, or NumPy arrays under the CUDA simulator, where an
+    invalid position raises at once (nothing is pending).
     """
     require_numba_cuda()
     x0 = operands[0][0]
@@ -194,6 +225,8 @@ def launch(spec, operands, cos, sin, inverse):
 
         def kept(key, a):
             return to_device(a)
+
+        flag = np.zeros(1, np.int32)
     else:
         import cupy
 
@@ -206,6 +239,8 @@ def launch(spec, operands, cos, sin, inverse):
 
         def kept(key, a):  # small host arrays: copied once per device, not per call
             return on_device(cupy, device, key, a)
+
+        flag = error_flag(cupy, device)[0]
 
     g = geometry(operands, flat=True)
     bf16_bits = x0.dtype.itemsize == 2 and x0.dtype != np.float16
@@ -227,12 +262,20 @@ def launch(spec, operands, cos, sin, inverse):
     kernel = _kernel(bf16_bits, spec.style == "half", compute)
     copy_tail = tail_mask(spec.rotary_dim, operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    if freqs is None:
+        inv_freq, scale = np.zeros(spec.pair_axis.shape[0]), np.nan
+    else:
+        inv_freq, scale = freqs.inv_freq, freqs.scale
+    flag_arg = to_device(flag)
     kernel[(blocks,), (LANES, WARPS_PER_BLOCK), stream](
         *args,
         kept(("g", g.shape, g.tobytes()), g),
         to_device(cos),
         to_device(sin),
         kept(("axes", "int64", spec.pair_axis.tobytes()), spec.pair_axis),
+        kept(("inv_freq", inv_freq.tobytes()), inv_freq),
+        np.float64(scale),
+        flag_arg,
         np.int64(spec.rotary_dim),
         np.int64(d),
         compute(-1.0 if inverse else 1.0),
@@ -243,3 +286,6 @@ def launch(spec, operands, cos, sin, inverse):
     if moved is not None:
         for of in written:
             moved[id(of)][1].copy_to_host(of)
+        flag_arg.copy_to_host(flag)
+        if flag[0]:
+            raise RopeValueError("pos holds values that are negative or 2**31 or more")

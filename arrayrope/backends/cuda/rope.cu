@@ -56,6 +56,24 @@ template <> struct Elem<bf16_bits> {
     }
 };
 
+// cos and sin of pair `pair` for a position past the table (the table's own formula: the angle
+// in float64, cos and sin scaled in float64, one rounding to the compute type), or NaN and the
+// error flag set for a position that is not valid (negative, or 2**31 or more)
+template <typename C>
+__device__ __forceinline__ void past_table(
+    i64 p, int pair, const double* __restrict__ inv_freq, double scale, int* flagged,
+    C* c, C* s)
+{
+    if (p < 0 || p >= 2147483648LL) {
+        *flagged = 1;
+        *c = *s = (C)__uint_as_float(0x7fc00000u);
+    } else {
+        const double angle = (double)p * inv_freq[pair];
+        *c = (C)(cos(angle) * scale);
+        *s = (C)(sin(angle) * scale);
+    }
+}
+
 // N consecutive storage elements: one 4-, 8- or 16-byte access where the address is aligned.
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
@@ -87,7 +105,9 @@ __device__ __forceinline__ void store_n(T* p, const typename Elem<T>::compute* v
 // Each warp rotates ROWS_PER_WARP consecutive rows (q's, then k's). It decodes the first row's
 // coordinates with one division per leading axis, and the next rows by stepping the innermost
 // axis, decoding again only where that axis wraps (k's rows begin at such a wrap): index
-// arithmetic would otherwise cost more instructions than the rotation. Lanes take P
+// arithmetic would otherwise cost more instructions than the rotation. A position outside
+// the table's n_table rows takes past_table: positions on a device reach the kernel unchecked,
+// since checking them on the host would wait for the device. Lanes take P
 // consecutive pairs each (VECTOR: as one aligned access, which the launcher checks; else
 // element by element). All of a warp's rows are loaded before any is stored, so each thread
 // keeps ROWS_PER_WARP loads in flight (x and out may be one array, so a load cannot move past
@@ -97,8 +117,10 @@ __device__ __forceinline__ void rope_rows(
     const T* x1, T* o1, const i64* __restrict__ i1, const T* x2, T* o2,
     const i64* __restrict__ i2, const i64* __restrict__ g, int nlead,
     const typename Elem<T>::compute* __restrict__ cos_table,
-    const typename Elem<T>::compute* __restrict__ sin_table, const int* __restrict__ pair_axis,
-    int rotary_dim, int d, typename Elem<T>::compute sign, int copy_tail, i64 n1, i64 n2)
+    const typename Elem<T>::compute* __restrict__ sin_table, i64 n_table,
+    const int* __restrict__ pair_axis, const double* __restrict__ inv_freq, double scale,
+    int* flagged, int rotary_dim, int d, typename Elem<T>::compute sign, int copy_tail, i64 n1,
+    i64 n2)
 {
     // copy_tail: bit t set where operand t's tail past rotary_dim is copied (not in place)
     typedef typename Elem<T>::compute C;
@@ -179,14 +201,23 @@ __device__ __forceinline__ void rope_rows(
                 }
             }
             if (axis_stride == 0) {  // one position axis: one table row for all pairs
-                const i64 row_start = *pr[r] * half + j;
-                load_n<C, P, VECTOR>(cos_table + row_start, c[r]);
-                load_n<C, P, VECTOR>(sin_table + row_start, s[r]);
+                const i64 p = *pr[r];
+                if (p >= 0 && p < n_table) {
+                    load_n<C, P, VECTOR>(cos_table + p * half + j, c[r]);
+                    load_n<C, P, VECTOR>(sin_table + p * half + j, s[r]);
+                } else {
+                    for (int k = 0; k < P; ++k)
+                        past_table(p, j + k, inv_freq, scale, flagged, &c[r][k], &s[r][k]);
+                }
             } else {  // multi-axis positions: each pair reads its own axis
                 for (int k = 0; k < P; ++k) {
-                    const i64 at = pr[r][pair_axis[j + k] * axis_stride] * half + j + k;
-                    c[r][k] = cos_table[at];
-                    s[r][k] = sin_table[at];
+                    const i64 p = pr[r][pair_axis[j + k] * axis_stride];
+                    if (p >= 0 && p < n_table) {
+                        c[r][k] = cos_table[p * half + j + k];
+                        s[r][k] = sin_table[p * half + j + k];
+                    } else {
+                        past_table(p, j + k, inv_freq, scale, flagged, &c[r][k], &s[r][k]);
+                    }
                 }
             }
         }
@@ -226,11 +257,11 @@ __device__ __forceinline__ void rope_rows(
 extern "C" __global__ void NAME(                                                             \
     const T* x1, T* o1, const i64* i1, const T* x2, T* o2, const i64* i2, const i64* g,      \
     int nlead, const Elem<T>::compute* cos_table, const Elem<T>::compute* sin_table,         \
-    const int* pair_axis, int rotary_dim, int d, Elem<T>::compute sign, int copy_tail,       \
-    i64 n1, i64 n2)                                                                          \
+    i64 n_table, const int* pair_axis, const double* inv_freq, double scale, int* flagged,   \
+    int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, i64 n1, i64 n2)             \
 {                                                                                            \
     rope_rows<T, HALF_STYLE, P, VECTOR>(x1, o1, i1, x2, o2, i2, g, nlead, cos_table,         \
-                                        sin_table, pair_axis, rotary_dim, d, sign,           \
-                                        copy_tail, n1, n2);                                  \
+                                        sin_table, n_table, pair_axis, inv_freq, scale,      \
+                                        flagged, rotary_dim, d, sign, copy_tail, n1, n2);    \
 }
 
