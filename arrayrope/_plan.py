@@ -167,17 +167,31 @@ class GeneralPlan:
             return [(values, is_int, None)] * len(xs)
         return [_positions.check_values(values)] * len(xs)
 
-    def _tables(self, resolved, seq_len):
+    def _tables(self, resolved, seq_len, capture):
         """The frequency set's tables, cos, sin and one idx per operand: int64 table rows
-        shaped like its positions."""
+        shaped like its positions. ``capture``: the call is being captured in a CUDA graph, so
+        it reads the table as it is (growing it would copy from the host)."""
         unknown = resolved[0][2] is None  # device positions: all operands share them
         high = -1 if unknown else max(h for _, _, h in resolved)
         seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
         tables = self.engine.freq_set(seq_len).tables
         xp, device = self.xp, self._device()
         if all(is_int for _, is_int, _ in resolved):
-            if unknown:
-                cached = tables.whole(xp, device, self.table_dtype)
+            if capture:
+                cached = tables.existing(device, self.table_dtype)
+                if cached is None or not (unknown or high < cached.shape[1]):
+                    raise RopeValueError(
+                        "the current stream is capturing a CUDA graph, and this call needs cos/"
+                        "sin rows the device does not have: make the same call once before "
+                        "capturing (an int past the table's cap needs rows from the host each "
+                        "time: pass it as int64 positions on the device)"
+                    )
+            elif unknown:
+                # as many rows as position entries (a prefill from 0), or seq_len's; the
+                # kernel computes rows past them
+                values = resolved[0][0]
+                entries = max(values.size // max(values.shape[-1], 1), seq_len or 0)
+                cached = tables.at_least(xp, device, self.table_dtype, entries)
             else:
                 cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
             if cached is not None:
@@ -208,12 +222,16 @@ class GeneralPlan:
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
-        xp = self.xp
+        xp, capture = self.xp, False
         if self.family == CUPY:
-            from .backends.cuda._device import device_rows, raise_flagged
+            from .backends.cuda._device import capturing, device_rows, raise_flagged
 
             raise_flagged(xp, self._device())
-        tables, cos, sin, idxs = self._tables(self._positions(xs, pos, seq_len), seq_len)
+            capture = capturing(xp)
+            if capture:
+                self._check_capturable(xs, pos, outs, seq_len)
+        resolved = self._positions(xs, pos, seq_len)
+        tables, cos, sin, idxs = self._tables(resolved, seq_len, capture)
         if self.family == CUPY:
             idxs, cos, sin = device_rows(xp, self._device(), idxs, cos, sin)
         if outs is None:
@@ -235,6 +253,28 @@ class GeneralPlan:
         for temp, out in write_back:
             out[...] = temp
         return results
+
+    def _check_capturable(self, xs, pos, outs, seq_len):
+        """Raise for a call that cannot be captured in a CUDA graph: one that would read the
+        host, or make a device temporary (the graph keeps its address; the memory is freed when
+        the call returns)."""
+        why = None
+        if self.kind == ARRAY and _arrays.family(pos) == CUPY:
+            if pos.dtype != np.int64 or pos.data.ptr % 8:
+                why = f"pos is a device array of {pos.dtype}: give int64 positions"
+            elif self.spec.dynamic and seq_len is None:
+                why = "a length-dependent rule needs seq_len (max(pos) would be read)"
+        if not self.device_checked:
+            why = "backend='numpy' reads positions and makes temporaries"
+        for i, x in enumerate(xs):
+            out = x if outs is None else outs[i]
+            if not (_arrays.addressable(x, CUPY) and _arrays.addressable(out, CUPY)):
+                why = "an operand is a layout the kernels reach through a temporary"
+        if why is not None:
+            raise RopeValueError(
+                f"the current stream is capturing a CUDA graph, and this call cannot be "
+                f"captured: {why}"
+            )
 
     def _overlaps(self, xs, outs):
         """Per operand, whether its out is it (in place, through any view); raises where an out

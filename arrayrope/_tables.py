@@ -95,10 +95,16 @@ class CosSinTables:
             self._tables[key] = tables
             return tables
 
-    def whole(self, xp, device, dtype):
-        """The cache at its cap, for positions whose largest value the host does not know
-        (positions on a device): the kernels compute rows past it themselves."""
-        return self.cached(xp, device, dtype, self._cap(np.dtype(dtype).itemsize) - 1)
+    def at_least(self, xp, device, dtype, rows):
+        """The cache with at least ``rows`` rows (fewer at the cap), for positions whose largest
+        value the host does not know (positions on a device): the kernels compute rows past
+        it themselves."""
+        rows = min(max(rows, 1), self._cap(np.dtype(dtype).itemsize))
+        return self.cached(xp, device, dtype, rows - 1)
+
+    def existing(self, device, dtype):
+        """The cache as it is, or None: what a call being captured in a CUDA graph may read."""
+        return self._tables.get((device, dtype))
 
     def exact(self, xp, dtype, positions):
         """cos and sin stacked, shape (2, R, n_pairs), for float64 ``positions`` of shape

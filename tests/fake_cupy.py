@@ -501,7 +501,9 @@ def make(library):
         getDeviceProperties=lambda device: {"name": b"fake_cupy (host memory)"}
     )
     cupy.asarray = _asarray
-    cupy.copyto = lambda dst, src: _unwrap(dst, _here()).__setitem__(..., _unwrap(src, _here()))
+    cupy.copyto = lambda dst, src, where=True: np.copyto(
+        _unwrap(dst, _here()), _unwrap(src, _here()), where=_unwrap(where, _here())
+    )
     cupy.ascontiguousarray = _ascontiguousarray
     for name in ("empty", "zeros", "ones", "full", "arange"):
         setattr(cupy, name, _creator(getattr(np, name)))
@@ -553,6 +555,8 @@ def installed(library):
         _cache.clear_all()  # plans, shared RoPEs, compiled modules, device arrays
         _device._staging.clear()  # what a process keeps for its life: new with each stand-in
         _device._flags.clear()
+        _device._held.clear()
+        _device._held_ids.clear()
         transfers.clear()
         to_host.clear()
         _lost.clear()

@@ -312,18 +312,25 @@ def test_staging_buffers_are_not_refilled_while_their_copy_is_queued(cp):
     from arrayrope.backends.cuda import _device
 
     fake_cupy.Event.pending = True
-    seen = []
+    seen, waited = [], []
     for i in range(_device._STAGED + 3):
+        slots = _device._staging.get(0, [])
+        oldest = slots[0][2] if len(slots) == _device._STAGED else None
         got = _device.upload(cp, 0, np.full(3, i))
         np.testing.assert_array_equal(got.get(), [i] * 3)
-        seen.append(id(_device._staging[0][-1][0]))
+        seen.append(id(_device._staging[0][-1][0]))  # the newest copy's buffer comes last
+        waited.append(oldest is not None and oldest.waited)
     slots = _device._staging[0]
     assert len(slots) == _device._STAGED
-    assert len(set(seen[: _device._STAGED])) == _device._STAGED
-    assert sum(slot[2].waited for slot in slots) == 0  # waited events were replaced
+    assert len(set(seen[: _device._STAGED])) == _device._STAGED  # a buffer each
+    assert seen[_device._STAGED :] == seen[:3]  # then the oldest, after waiting for it
+    assert waited == [False] * _device._STAGED + [True] * 3
     fake_cupy.Event.pending = False
     _device.upload(cp, 0, np.arange(1000))  # larger than a buffer: a larger one
     assert max(slot[1] for slot in slots) == 8192
+    cp.transfers.clear()
+    _device.upload(cp, 0, np.zeros(_device._STAGE_LIMIT // 8 + 1))  # past the limit: plain
+    assert cp.transfers == [((_device._STAGE_LIMIT // 8 + 1,), np.dtype(np.float64))]
 
 
 def test_decode_step(cp, rng):
@@ -483,3 +490,35 @@ def test_gpu_check_counts_the_traffic_of_a_decode_call(cp, monkeypatch):
         "graph capture": "no (RopeValueError)",
     }
     assert all("error" in found[name] for name in found if name.startswith("numba-cuda"))
+
+
+def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
+    # A captured graph keeps addresses: a device temporary would be freed under it, and a
+    # read of the host cannot be captured at all. Such calls are refused during capture, and
+    # what a capturable call reads is held for the life of the process.
+    from arrayrope.backends.cuda import _device
+
+    rope = ar.RoPE(16)
+    x = cp.asarray(rng.standard_normal((3, 16)).astype(np.float32))
+    out = cp.empty_like(x)
+    pos64 = cp.asarray(np.array([1, 2, 3]))
+    rope.rotate(x, pos64, out=out)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cases = [
+        (lambda: rope.rotate(x, pos64.astype(np.int32), out=out), "give int64 positions"),
+        (lambda: rope.rotate(x, pos64.astype(np.float64), out=out), "give int64 positions"),
+        (lambda: rope.rotate(x, pos64, out=out, backend="numpy"), "backend='numpy'"),
+        (lambda: rope.rotate(x, pos64, out=out[:, ::-1]), "through a temporary"),
+        (lambda: rope.rotate(x, 10**6, out=out), "past the table's cap"),
+        (lambda: ar.RoPE(16, base=500.0).rotate(x, pos64, out=out), "make the same call once"),
+        (lambda: rope.rotate(x, np.array([1, 2, 3]), out=out), "copy from the host"),
+    ]
+    with stream:
+        stream.begin_capture()
+        for call, message in cases:
+            with pytest.raises(ar.RopeValueError, match=message):
+                call()
+        rope.rotate(x, pos64, out=out)
+        stream.end_capture()
+    held = {a.data.ptr for a in _device._held}  # what the graph reads, kept
+    assert pos64.data.ptr in held and out.data.ptr in held

@@ -42,34 +42,62 @@ _staging = {}  # never dropped while the process runs: a copy may still read a b
 _staging_lock = threading.Lock()
 _STAGED = 32
 _MIN_STAGE = 4096
+_STAGE_LIMIT = 1 << 20  # larger copies are paced by the bus, not by the wait
+
+
+def capturing(cupy):
+    """Whether the current stream is capturing a CUDA graph (or cannot be used because another
+    stream captures in global mode, which CUDA reports as an error)."""
+    try:
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - cudaErrorStreamCaptureImplicit and its kin
+        return True
+
+
+# Device arrays a captured graph reads (tables, geometry, kept arrays), held for the life of the
+# process: a cache may replace or drop its entry, and the graph keeps only their addresses.
+_held = []
+_held_ids = set()
+
+
+def hold(cupy, arrays):
+    """Keep the device arrays among ``arrays`` (a launch being captured) alive for the
+    process."""
+    for a in arrays:
+        if isinstance(a, cupy.ndarray) and id(a) not in _held_ids:
+            _held_ids.add(id(a))
+            _held.append(a)
 
 
 def upload(cupy, device, host):
     """A device copy of the NumPy array ``host``, queued on the current stream from pinned
-    memory: the host does not wait for it. Refused during graph capture, where the copy would
-    be replayed from a buffer arrayrope reuses."""
-    stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
+    memory: the host does not wait for it (above _STAGE_LIMIT bytes, a plain copy, which does).
+    Refused during graph capture, where the copy would be replayed from a buffer arrayrope
+    reuses."""
+    if capturing(cupy):
         raise RopeValueError(
-            "pos is a host array, and the current stream is capturing a CUDA graph: the graph "
-            "would copy it again at every replay, from a buffer arrayrope reuses. Pass positions "
-            "on the device (they are read when the graph runs) or an int"
+            "pos needs a copy from the host (a host position array, or the cos/sin rows of "
+            "positions past the table), and the current stream is capturing a CUDA graph: a "
+            "replay would copy again from a buffer arrayrope reuses. Pass int64 positions on "
+            "the device (read when the graph runs), or an int inside the table"
         )
     host = np.ascontiguousarray(host)
+    if host.nbytes > _STAGE_LIMIT:
+        return cupy.asarray(host)
+    stream = cupy.cuda.get_current_stream()
     nbytes = max(host.nbytes, 1)
     with _staging_lock:
         slots = _staging.setdefault(device, [])
         slot = next((s for s in slots if s[1] >= nbytes and (s[2] is None or s[2].done)), None)
-        if slot is None:
-            if len(slots) >= _STAGED:
-                slots[0][2].synchronize()  # every buffer is in flight: wait for the oldest
-                slot = slots.pop(0)
-                slots.append(slot)
-                if slot[1] < nbytes:
-                    slot[:2] = _pinned(cupy, nbytes)
-            else:
-                slot = [*_pinned(cupy, nbytes), None]
-                slots.append(slot)
+        if slot is None and len(slots) >= _STAGED:
+            slot = slots[0]
+            slot[2].synchronize()  # every buffer is in flight: wait for the oldest
+            if slot[1] < nbytes:
+                slot[:2] = _pinned(cupy, nbytes)
+        elif slot is None:
+            slot = [*_pinned(cupy, nbytes), None]
+            slots.append(slot)
+        slots[:] = [s for s in slots if s is not slot] + [slot]  # oldest copy first
         staged = np.frombuffer(slot[0], np.uint8, host.nbytes)
         staged[:] = host.reshape(-1).view(np.uint8)
         result = cupy.empty(host.shape, host.dtype)
@@ -118,21 +146,21 @@ def mark_invalid(cupy, device, values):
     nothing waits."""
     invalid = ~((values >= 0) & (values < np.inf))
     flag = error_flag(cupy, device)[0]
-    cupy.maximum(flag, invalid.any().astype(np.int32), out=flag)
+    cupy.copyto(flag, 1, where=invalid.any())  # written only where there is an error
     return cupy.where(invalid, np.nan, values)
 
 
 def raise_flagged(cupy, device):
-    """Raise where a kernel on ``device`` met an invalid device position since the last look;
-    the flag is cleared."""
+    """Raise where a kernel on ``device`` has met an invalid device position since the last
+    look (a kernel still queued has not: its error comes later); the flag is cleared."""
     found = _flags.get(device)
     if found is not None and found[1][0]:
         found[1][0] = 0
         raise RopeValueError(
             f"pos: an earlier call on CUDA device {device} was given device positions that are "
-            "negative, 2**31 or more, or not finite, and wrote NaN for their rows. Positions on "
-            "a device are checked there, without waiting for the kernel, so the error is raised "
-            "by the next call on that device (this one, which did nothing)"
+            "negative, 2**31 or more, or not finite, and wrote NaN for the pairs that read "
+            "them. Positions on a device are checked there, without waiting for the kernel, so "
+            "the error is raised by a later call on that device (this one, which did nothing)"
         )
 
 

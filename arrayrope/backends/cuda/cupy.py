@@ -19,7 +19,7 @@ import numpy as np
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
-from ._device import error_flag, on_device
+from ._device import capturing, error_flag, hold, on_device
 
 LANES = 32
 WARPS_PER_BLOCK = 8
@@ -206,6 +206,8 @@ def launch(spec, operands, cos, sin, inverse, freqs=None):
 
         flag = error_flag(cupy, device)[0]
         name, grid, block, args = launch_plan(spec, operands, tables, inverse, freqs, flag, place)
+        if capturing(cupy):
+            hold(cupy, args)
         _function(cupy, device, name)(grid=grid, block=block, args=args)
     global last_entry
     last_entry = name
