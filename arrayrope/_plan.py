@@ -119,6 +119,7 @@ class GeneralPlan:
         self.kind = kind
         self.family = array_family
         self.xp = _arrays.namespace(array_family)
+        self.backend = backend
         self.launch = backend_module(backend).launch
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         # the reference works on any layout; the kernels address some through temporaries
@@ -266,6 +267,8 @@ class GeneralPlan:
                 why = "a length-dependent rule needs seq_len (max(pos) would be read)"
         if not self.device_checked:
             why = "backend='numpy' reads positions and makes temporaries"
+        elif self.backend == "numba-cuda":
+            why = "numba-cuda synchronizes the stream of each array it is given"
         for i, x in enumerate(xs):
             out = x if outs is None else outs[i]
             if not (_arrays.addressable(x, CUPY) and _arrays.addressable(out, CUPY)):

@@ -508,6 +508,7 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
         (lambda: rope.rotate(x, pos64.astype(np.int32), out=out), "give int64 positions"),
         (lambda: rope.rotate(x, pos64.astype(np.float64), out=out), "give int64 positions"),
         (lambda: rope.rotate(x, pos64, out=out, backend="numpy"), "backend='numpy'"),
+        (lambda: rope.rotate(x, pos64, out=out, backend="numba-cuda"), "numba-cuda synchron"),
         (lambda: rope.rotate(x, pos64, out=out[:, ::-1]), "through a temporary"),
         (lambda: rope.rotate(x, 10**6, out=out), "past the table's cap"),
         (lambda: ar.RoPE(16, base=500.0).rotate(x, pos64, out=out), "make the same call once"),
@@ -522,3 +523,35 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
         stream.end_capture()
     held = {a.data.ptr for a in _device._held}  # what the graph reads, kept
     assert pos64.data.ptr in held and out.data.ptr in held
+
+
+UNRAISED_AT_EXIT = """
+import ctypes, sys
+import numpy as np
+import conftest
+import fake_cupy
+
+stand_in = fake_cupy.installed(ctypes.CDLL(sys.argv[1]))
+cp = stand_in.__enter__()  # left installed until exit
+import arrayrope as ar  # after the stand-in, which it takes for CuPy
+x = cp.ones((2, 8), np.float32)
+ar.rotate(x, cp.asarray(np.array([1, 2])))  # a good call: no warning for it
+if sys.argv[2] == "bad":
+    ar.rotate(x, cp.asarray(np.array([1, -2])))  # the last call: no later one raises
+"""
+
+
+@pytest.mark.parametrize("last", ["good", "bad"])
+def test_an_error_no_call_raised_is_a_warning_at_exit(host_kernels, last):
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", UNRAISED_AT_EXIT, host_kernels._name, last],
+        cwd=tests,
+        env={**os.environ, "PYTHONPATH": str(tests)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = "no later call on that device raised the error" in done.stderr
+    assert warned == (last == "bad"), done.stderr[-3000:]

@@ -9,9 +9,12 @@
   more, not finite) gives NaN for its rows and sets the device's error flag, a word of pinned
   host memory the kernels write directly. The host reads it at the next call on that device and
   raises there (:func:`raise_flagged`): reading it at once would mean waiting for the kernel.
+  An error no call raised is a warning at exit.
 """
 
+import atexit
 import threading
+import warnings
 
 import numpy as np
 
@@ -135,8 +138,28 @@ def error_flag(cupy, device):
                 address = host.__array_interface__["data"][0]
                 owned = cupy.cuda.UnownedMemory(address, 4, memory, device)
                 flag = cupy.ndarray((1,), np.int32, cupy.cuda.MemoryPointer(owned, 0))
+                if not _flags:
+                    atexit.register(_warn_unraised, cupy)
                 found = _flags[device] = (flag, host)
     return found
+
+
+def _warn_unraised(cupy):
+    """At exit: an invalid device position whose error no later call raised is reported as a
+    warning (its rows are NaN), after waiting for the devices' queued work."""
+    for device, (_, host) in list(_flags.items()):
+        try:
+            cupy.cuda.Device(device).synchronize()
+        except Exception:  # noqa: BLE001 - a device or context already gone: read what is there
+            pass
+        if host[0]:
+            warnings.warn(
+                f"arrayrope: a call on CUDA device {device} was given device positions that are "
+                "negative, 2**31 or more, or not finite (their rows are NaN), and no later call "
+                "on that device raised the error",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
 
 def mark_invalid(cupy, device, values):
