@@ -181,18 +181,22 @@ class GeneralPlan:
             if capture:
                 cached = tables.existing(device, self.table_dtype)
                 if cached is None or not (unknown or high < cached.shape[1]):
+                    past_cap = not unknown and high >= tables.cap(self.table_dtype)
                     raise RopeValueError(
                         "the current stream is capturing a CUDA graph, and this call needs cos/"
-                        "sin rows the device does not have: make the same call once before "
-                        "capturing (an int past the table's cap needs rows from the host each "
-                        "time: pass it as int64 positions on the device)"
+                        "sin rows the device does not have: "
+                        + (
+                            "a position past the table's cap takes rows from the host each "
+                            "time; pass it as int64 positions on the device"
+                            if past_cap
+                            else "make the same call once before capturing"
+                        )
                     )
             elif unknown:
-                # as many rows as position entries (a prefill from 0), or seq_len's; the
-                # kernel computes rows past them
-                values = resolved[0][0]
-                entries = max(values.size // max(values.shape[-1], 1), seq_len or 0)
-                cached = tables.at_least(xp, device, self.table_dtype, entries)
+                # rows for the longest axis of positions (a prefill from 0), or seq_len's;
+                # the kernel computes rows past them
+                longest = max(resolved[0][0].shape[:-1], default=1)
+                cached = tables.at_least(xp, device, self.table_dtype, max(longest, seq_len or 0))
             else:
                 cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
             if cached is not None:
@@ -232,6 +236,10 @@ class GeneralPlan:
             if capture:
                 self._check_capturable(xs, pos, outs, seq_len)
         resolved = self._positions(xs, pos, seq_len)
+        if resolved[0][2] is None:  # positions the kernel checks: report at exit what is left
+            from .backends.cuda._device import arm
+
+            arm(xp)
         tables, cos, sin, idxs = self._tables(resolved, seq_len, capture)
         if self.family == CUPY:
             idxs, cos, sin = device_rows(xp, self._device(), idxs, cos, sin)
@@ -261,8 +269,10 @@ class GeneralPlan:
         the call returns)."""
         why = None
         if self.kind == ARRAY and _arrays.family(pos) == CUPY:
-            if pos.dtype != np.int64 or pos.data.ptr % 8:
+            if pos.dtype != np.int64:
                 why = f"pos is a device array of {pos.dtype}: give int64 positions"
+            elif pos.data.ptr % 8:
+                why = "pos is not aligned to 8 bytes, and would be copied"
             elif self.spec.dynamic and seq_len is None:
                 why = "a length-dependent rule needs seq_len (max(pos) would be read)"
         if not self.device_checked:

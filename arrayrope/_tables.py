@@ -99,8 +99,12 @@ class CosSinTables:
         """The cache with at least ``rows`` rows (fewer at the cap), for positions whose largest
         value the host does not know (positions on a device): the kernels compute rows past
         it themselves."""
-        rows = min(max(rows, 1), self._cap(np.dtype(dtype).itemsize))
+        rows = min(max(rows, 1), self.cap(dtype))
         return self.cached(xp, device, dtype, rows - 1)
+
+    def cap(self, dtype):
+        """The most rows the cache holds for tables of ``dtype``."""
+        return self._cap(np.dtype(dtype).itemsize)
 
     def existing(self, device, dtype):
         """The cache as it is, or None: what a call being captured in a CUDA graph may read."""

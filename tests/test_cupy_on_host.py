@@ -521,8 +521,18 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
                 call()
         rope.rotate(x, pos64, out=out)
         stream.end_capture()
-    held = {a.data.ptr for a in _device._held}  # what the graph reads, kept
-    assert pos64.data.ptr in held and out.data.ptr in held
+    # arrayrope's arrays that the graph reads are kept; the caller's are the caller's
+    held = {a.data.ptr for a in _device._held}
+    table = rope._engine.freq_set(None).tables.existing(0, np.dtype(np.float32))
+    assert table[0].data.ptr in held and table[1].data.ptr in held
+    assert _device.error_flag(cp, 0)[0].data.ptr in held
+    assert len(held) == 6  # and the geometry, pair axes and frequencies
+    assert not {x.data.ptr, out.data.ptr, pos64.data.ptr} & held
+    with stream:  # a layout not seen outside capture: its geometry is not on the device
+        stream.begin_capture()
+        with pytest.raises(ar.RopeValueError, match="has not copied to the device"):
+            rope.rotate(x[:2], pos64[:2], out=out[:2])
+        stream.end_capture()
 
 
 UNRAISED_AT_EXIT = """
@@ -555,3 +565,15 @@ def test_an_error_no_call_raised_is_a_warning_at_exit(host_kernels, last):
     assert done.returncode == 0, done.stderr[-3000:]
     warned = "no later call on that device raised the error" in done.stderr
     assert warned == (last == "bad"), done.stderr[-3000:]
+
+
+def test_device_positions_grow_the_table_by_their_longest_axis(cp, rng):
+    # Batched (B, T) positions: the table grows to T rows (the kernel computes any row past
+    # it), not to B * T, and not to its cap.
+    rope = ar.RoPE(16)
+    x = cp.asarray(rng.standard_normal((8, 2, 600, 16)).astype(np.float32))
+    values = np.arange(600) + 600 * np.arange(8)[:, None]  # each sequence past the last
+    got = rope.rotate(x, cp.asarray(values), head_axis=1).get()
+    table = rope._engine.freq_set(None).tables.existing(0, np.dtype(np.float32))
+    assert 600 <= table.shape[1] < 4800
+    np.testing.assert_allclose(got, rope.rotate(x.get(), values, head_axis=1), atol=3e-6)

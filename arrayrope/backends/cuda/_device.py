@@ -33,8 +33,19 @@ def on_device(cupy, device, key, host):
     key = (device, key)
     found = _kept.get(key)
     if found is None:
+        if capturing(cupy):  # the copy would be a node of the graph, not run now
+            raise RopeValueError(
+                "the current stream is capturing a CUDA graph, and this call needs arrays "
+                "arrayrope has not copied to the device yet (launch geometry, default "
+                "positions): make the same call once before capturing"
+            )
         found = _kept.put(key, cupy.asarray(host() if callable(host) else host))
     return found
+
+
+def kept(a):
+    """Whether the device array ``a`` is one :func:`on_device` keeps, or a view of one."""
+    return any(a is v or getattr(a, "base", None) is v for v in list(_kept.values()))
 
 
 # Pinned staging buffers: per device, a list of [buffer, capacity, event of its last copy].
@@ -45,38 +56,44 @@ _staging = {}  # never dropped while the process runs: a copy may still read a b
 _staging_lock = threading.Lock()
 _STAGED = 32
 _MIN_STAGE = 4096
-_STAGE_LIMIT = 1 << 20  # larger copies are paced by the bus, not by the wait
+_STAGE_LIMIT = 1 << 20  # larger copies go through cupy.asarray
+_CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit: another stream captures (global mode)
 
 
 def capturing(cupy):
-    """Whether the current stream is capturing a CUDA graph (or cannot be used because another
-    stream captures in global mode, which CUDA reports as an error)."""
+    """Whether the current stream is capturing a CUDA graph, or may not be used while another
+    stream captures in global mode (which CUDA reports as an error)."""
     try:
         return bool(cupy.cuda.get_current_stream().is_capturing())
-    except Exception:  # noqa: BLE001 - cudaErrorStreamCaptureImplicit and its kin
-        return True
+    except Exception as error:
+        if getattr(error, "status", None) == _CAPTURE_IMPLICIT:
+            return True
+        raise
 
 
-# Device arrays a captured graph reads (tables, geometry, kept arrays), held for the life of the
-# process: a cache may replace or drop its entry, and the graph keeps only their addresses.
+# arrayrope's own device arrays that a captured graph reads (tables, geometry, kept arrays, the
+# error flag), held for the life of the process: a cache may replace or drop its entry, and the
+# graph keeps only their addresses. The caller's arrays are the caller's to keep.
 _held = []
 _held_ids = set()
+_held_lock = threading.Lock()
 
 
 def hold(cupy, arrays):
-    """Keep the device arrays among ``arrays`` (a launch being captured) alive for the
-    process."""
-    for a in arrays:
-        if isinstance(a, cupy.ndarray) and id(a) not in _held_ids:
-            _held_ids.add(id(a))
-            _held.append(a)
+    """Keep the device arrays among ``arrays`` (arrayrope's, read by a launch being captured)
+    alive for the process."""
+    with _held_lock:
+        for a in arrays:
+            if isinstance(a, cupy.ndarray) and id(a) not in _held_ids:
+                _held_ids.add(id(a))
+                _held.append(a)
 
 
 def upload(cupy, device, host):
     """A device copy of the NumPy array ``host``, queued on the current stream from pinned
-    memory: the host does not wait for it (above _STAGE_LIMIT bytes, a plain copy, which does).
-    Refused during graph capture, where the copy would be replayed from a buffer arrayrope
-    reuses."""
+    memory: the host does not wait for it (above _STAGE_LIMIT bytes, CuPy's own copy, which
+    stages through CuPy's pinned pool). Refused during graph capture, where the copy would be
+    replayed from a buffer arrayrope reuses."""
     if capturing(cupy):
         raise RopeValueError(
             "pos needs a copy from the host (a host position array, or the cos/sin rows of "
@@ -138,10 +155,20 @@ def error_flag(cupy, device):
                 address = host.__array_interface__["data"][0]
                 owned = cupy.cuda.UnownedMemory(address, 4, memory, device)
                 flag = cupy.ndarray((1,), np.int32, cupy.cuda.MemoryPointer(owned, 0))
-                if not _flags:
-                    atexit.register(_warn_unraised, cupy)
                 found = _flags[device] = (flag, host)
     return found
+
+
+_armed = []
+
+
+def arm(cupy):
+    """Once device positions reach a kernel: at exit, report an error no call raised."""
+    if not _armed:
+        with _flags_lock:
+            if not _armed:
+                _armed.append(True)
+                atexit.register(_warn_unraised, cupy)
 
 
 def _warn_unraised(cupy):

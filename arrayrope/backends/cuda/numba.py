@@ -16,7 +16,7 @@ import numpy as np
 
 from ..._errors import BackendUnavailableError, RopeValueError
 from .._geometry import flat_view, geometry, rows, tail_mask
-from ._device import capturing, error_flag, hold, on_device
+from ._device import error_flag, on_device
 
 try:
     # A module global, not a closure variable: the simulator swaps the kernels' global ``cuda``
@@ -275,8 +275,6 @@ def launch(spec, operands, cos, sin, inverse, freqs=None):
         kept(("axes", "int64", spec.pair_axis.tobytes()), spec.pair_axis),
         kept(("inv_freq", inv_freq.tobytes()), inv_freq),
     )
-    if moved is None and capturing(cupy):
-        hold(cupy, arrays)
     kernel[(blocks,), (LANES, WARPS_PER_BLOCK), stream](
         *arrays,
         np.float64(scale),
