@@ -78,6 +78,14 @@ def pytest_addoption(parser):
 _SEED = pytest.StashKey()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Under ``-n``, workers steal work rather than take fixed shares: a few tests run for a
+    minute (the guard-page routes), and with fixed shares one of them ends the run alone."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "worksteal"
+
+
 def pytest_configure(config):
     settings.load_profile("slow" if config.getoption("--slow") else "default")
     seed = config.getoption("--seed")
