@@ -222,6 +222,10 @@ class Engine:
                     f"like must be float16, bfloat16, float32 or float64, got dtype {like.dtype}"
                 )
         kind, values = _positions.resolve(_interop.native_positions(pos), self.spec.n_axes)
+        if CUPY in (array_family, _arrays.family(values)):
+            from .backends.cuda._device import refuse_during_capture
+
+            refuse_during_capture(_arrays.namespace(CUPY), "cos_sin on a device")
         if kind == INT:
             values = np.asarray(values)
         shape = values.shape

@@ -513,6 +513,9 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
         (lambda: rope.rotate(x, 10**6, out=out), "past the table's cap"),
         (lambda: ar.RoPE(16, base=500.0).rotate(x, pos64, out=out), "make the same call once"),
         (lambda: rope.rotate(x, np.array([1, 2, 3]), out=out), "copy from the host"),
+        (lambda: rope.shift(x, pos64, out=out), "shift with device deltas"),
+        (lambda: rope.cos_sin(pos64, like=x), "cos_sin on a device"),
+        (lambda: rope.cos_sin(np.arange(3), like=x), "cos_sin on a device"),
     ]
     with stream:
         stream.begin_capture()

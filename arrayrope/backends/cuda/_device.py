@@ -71,6 +71,15 @@ def capturing(cupy):
         raise
 
 
+def refuse_during_capture(cupy, what):
+    """Raise where the current stream captures a CUDA graph: ``what`` reads the host."""
+    if capturing(cupy):
+        raise RopeValueError(
+            f"the current stream is capturing a CUDA graph, and {what} reads the device's "
+            "values on the host, which a capture cannot hold: call it outside the capture"
+        )
+
+
 # arrayrope's own device arrays that a captured graph reads (tables, geometry, kept arrays, the
 # error flag), held for the life of the process: a cache may replace or drop its entry, and the
 # graph keeps only their addresses. The caller's arrays are the caller's to keep.
