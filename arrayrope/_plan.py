@@ -168,15 +168,16 @@ class GeneralPlan:
             return [(values, is_int, None)] * len(xs)
         return [_positions.check_values(values)] * len(xs)
 
-    def _tables(self, resolved, seq_len, capture):
+    def _tables(self, resolved, seq_len, capture, device):
         """The frequency set's tables, cos, sin and one idx per operand: int64 table rows
         shaped like its positions. ``capture``: the call is being captured in a CUDA graph, so
-        it reads the table as it is (growing it would copy from the host)."""
+        it reads the table as it is (growing it would copy from the host). ``device``: the
+        current device's id, None for NumPy."""
         unknown = resolved[0][2] is None  # device positions: all operands share them
         high = -1 if unknown else max(h for _, _, h in resolved)
         seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
         tables = self.engine.freq_set(seq_len).tables
-        xp, device = self.xp, self._device()
+        xp = self.xp
         if all(is_int for _, is_int, _ in resolved):
             if capture:
                 cached = tables.existing(device, self.table_dtype)
@@ -227,11 +228,11 @@ class GeneralPlan:
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
-        xp, capture = self.xp, False
+        xp, capture, device = self.xp, False, self._device()
         if self.family == CUPY:
             from .backends.cuda._device import capturing, device_rows, raise_flagged
 
-            raise_flagged(xp, self._device())
+            raise_flagged(xp, device)
             capture = capturing(xp)
             if capture:
                 self._check_capturable(xs, pos, outs, seq_len)
@@ -240,9 +241,9 @@ class GeneralPlan:
             from .backends.cuda._device import arm
 
             arm(xp)
-        tables, cos, sin, idxs = self._tables(resolved, seq_len, capture)
+        tables, cos, sin, idxs = self._tables(resolved, seq_len, capture, device)
         if self.family == CUPY:
-            idxs, cos, sin = device_rows(xp, self._device(), idxs, cos, sin)
+            idxs, cos, sin = device_rows(xp, device, idxs, cos, sin)
         if outs is None:
             results = tuple(xp.empty_like(x) for x in xs)
             in_place = (False,) * len(xs)
@@ -256,7 +257,7 @@ class GeneralPlan:
             operands.append(self._operand(x, out, idx, same, write_back))
         if operands:
             if self.device_checked:  # rows past the table are the kernel's to compute
-                self.launch(self.spec, operands, cos, sin, inverse, freqs=tables)
+                self.launch(self.spec, operands, cos, sin, inverse, freqs=tables, capture=capture)
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
         for temp, out in write_back:

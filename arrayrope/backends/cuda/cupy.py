@@ -19,7 +19,7 @@ import numpy as np
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
-from ._device import capturing, error_flag, hold, kept, on_device
+from ._device import error_flag, hold, kept, on_device
 
 LANES = 32
 WARPS_PER_BLOCK = 8
@@ -192,13 +192,10 @@ def launch_plan(spec, operands, tables, inverse, freqs, flag, place):
     return name, grid, (LANES, WARPS_PER_BLOCK), args
 
 
-def _is_operand(a, operands):
-    return any(a is b for operand in operands for b in operand)
-
-
-def launch(spec, operands, cos, sin, inverse, freqs=None):
+def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
     """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``, and
-    ``freqs`` as for :func:`launch_plan`."""
+    ``freqs`` as for :func:`launch_plan`. ``capture``: the current stream is capturing a CUDA
+    graph (the plan has checked the call can be captured)."""
     cupy = require_cupy()
     device = operands[0][0].device
     with device:
@@ -210,9 +207,9 @@ def launch(spec, operands, cos, sin, inverse, freqs=None):
 
         flag = error_flag(cupy, device)[0]
         name, grid, block, args = launch_plan(spec, operands, tables, inverse, freqs, flag, place)
-        if capturing(cupy):  # arrayrope's arrays the graph reads: tables, g, pair axes, flag
-            owned = [a for a in (args[2], args[5]) if kept(a)]
-            hold(cupy, owned + [a for a in args[6:] if not _is_operand(a, operands)])
+        if capture:  # arrayrope's arrays the graph reads: kept positions, and from args[6] on
+            # g, the tables, pair axes, frequencies and the flag (the rest are scalars)
+            hold(cupy, [a for a in (args[2], args[5]) if kept(a)] + list(args[6:]))
         _function(cupy, device, name)(grid=grid, block=block, args=args)
     global last_entry
     last_entry = name

@@ -201,10 +201,11 @@ def _kernel(bf16_bits, half_style, compute):
     return rope_kernel
 
 
-def launch(spec, operands, cos, sin, inverse, freqs=None):
+def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
     """Rotate one or two operands in one launch; same contract as ``backends.cpu.launch``, and
     ``freqs`` as for ``backends.cuda.cupy.launch_plan``: positions past the table are computed
-    from it, invalid ones give NaN rows and set the device's error flag.
+    from it, invalid ones give NaN rows and set the device's error flag. (``capture`` is never
+    true here: the plan refuses numba-cuda calls during graph capture.)
 
     Operands are CuPy arrays on a GPU, or NumPy arrays under the CUDA simulator, where an
     invalid position raises at once (nothing is pending).
