@@ -289,6 +289,24 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
         assert modes == [0] * 6
 
 
+def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config):
+    # The direct path's plain-store kernel takes x as it is in place too (its steps load a block
+    # before they store it): an in-place call compiles nothing an out= call has not.
+    if not _config.STREAMING:
+        pytest.skip("the direct path is used on x86-64 only")
+    from arrayrope.backends.cpu import _rows
+
+    cpu_config(stream_above=1 << 62)
+    rope = ar.RoPE(128, rotary_dim=96)
+    x = np.ones((1, 4, 64, 128), np.float64)
+    modes = []
+    _general(rope, (x,), None, (np.empty_like(x),), modes=modes)
+    compiled = set(_rows.rotate_range_vector.signatures)
+    _general(rope, (x,), None, (x,), modes=modes)
+    assert modes == [cpu.VECTOR] * 2
+    assert set(_rows.rotate_range_vector.signatures) == compiled
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("large", [False, True])
@@ -362,10 +380,9 @@ for stream_above in (0, 1 << 62):  # streaming stores, then plain ones (the dire
                     assert (out.view(np.uint8) == want).all(), (dtype, style, rotary_dim)
                     assert np.isnan(buffer[..., :8].astype(np.float32)).all()
                     assert np.isnan(buffer[..., 136:].astype(np.float32)).all()
-                    if dtype == ml_dtypes.bfloat16:  # in place: the loop's other compiled case
-                        y = x.copy()
-                        rope.rotate(y, 7, out=y)
-                        assert (y.view(np.uint8) == want).all(), ("in place", style, rotary_dim)
+                    y = x.copy()  # in place: plain stores, the tail left as it is
+                    rope.rotate(y, 7, out=y)
+                    assert (y.view(np.uint8) == want).all(), ("in place", style, rotary_dim)
 print("widths ok")
 """
 

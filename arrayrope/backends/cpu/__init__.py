@@ -63,6 +63,16 @@ def launch(spec, operands, cos, sin, inverse):
             operands, cos, sin = per_entry(spec.pair_axis, operands, cos, sin)
             segments = ONE_RUN[spec.rotary_dim // 2]
     g = geometry(operands, flat=True)
+    size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
+    d = operands[0][0].shape[-1]
+    written = sum(out.nbytes for x, out, _ in operands if out is not x)
+    stream = 0
+    if STREAMING:
+        large = written > 0 and written >= config.stream_above
+        if (large or config.vector_rows) and direct_path(spec, operands, segments, cos, sin):
+            stream = DIRECT if large else VECTOR
+        elif large:
+            stream = SCRATCH
     args = []
     for x, out, idx in operands:
         xf = flat_view(x)[0]
@@ -72,20 +82,15 @@ def launch(spec, operands, cos, sin, inverse):
         if view is not None:
             xf = xf.view(view)
             of = xf if out is x else of.view(view)
-        args += (None if out is x else xf, of, flat_view(idx)[0])  # None: in place
+        # In place, x is passed as None (a compile-time case), except to VECTOR: its vector
+        # steps load a block before they store it, so in place and smaller outputs share one
+        # compiled kernel there. (The general row loop needs None: see _rows._row_views; DIRECT
+        # keeps an in-place operand of rotate_qk on plain stores by it.)
+        shared = out is x and stream == VECTOR
+        args += (None if out is x and not shared else xf, of, flat_view(idx)[0])
     if len(operands) == 1:
         args += args  # the second operand has zero rows in g
-    size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
-    d = operands[0][0].shape[-1]
     copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
-    written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    stream = 0
-    if STREAMING:
-        large = written > 0 and written >= config.stream_above
-        if (large or config.vector_rows) and direct_path(spec, operands, segments, cos, sin):
-            stream = DIRECT if large else VECTOR
-        elif large:
-            stream = SCRATCH
     args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
     rows = size // d if d else 0
     kernel = KERNELS[stream]

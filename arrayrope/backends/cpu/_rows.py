@@ -271,18 +271,32 @@ def _direct_runs_impl(
         inner = g.shape[1] - 2
         sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
         axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see launch.direct_path
+        # in place (x is o: see launch), the tail past rotary_dim is left as it is
+        width = rotary_dim if _same(x, o) else d
         row = first
         while row < stop:
             xb, ob, pb, left = _run_start(g, row)
             run = min(left, stop - row)
             rows_of_run(
-                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-            )
+                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, width, half,
+                inv,
+            )  # fmt: skip
             row += run
         if streaming:
             store_fence()
 
     return runs
+
+
+def _same(x, o):
+    """Whether x and o are one array (x None: in place too)."""
+
+
+@overload(_same)
+def _same_impl(x, o):
+    if isinstance(x, types.NoneType):
+        return lambda x, o: True
+    return lambda x, o: address(x, 0) == address(o, 0)
 
 
 @njit(inline="always")
