@@ -319,9 +319,10 @@ def _shares(g, first, stop):
 # compiled only when a call needs it. All take the same arguments (the direct ones ignore
 # copy_tail and scratch): the operands (x, out, idx) of q and k, the launch geometry g, the
 # tables, the layout, the scratch block (see _parallel.scratch_blocks), and the range
-# first..stop-1 of q's rows followed by k's that they rotate. ``x`` None means in place. They
-# allocate nothing: the parallel kernel calls them through their C wrapper, which would print
-# an error rather than raise it.
+# first..stop-1 of q's rows followed by k's that they rotate. ``x`` None means in place (the
+# direct path's plain-store kernel is given x itself there: see launch). They allocate nothing:
+# the parallel kernel calls them through their C wrapper, which would print an error rather
+# than raise it.
 
 
 @njit(cache=DISK_CACHE, nogil=True)
