@@ -12,18 +12,38 @@ from numba import types
 from numba.extending import overload
 
 from ._config import HARDWARE_F16, VECTOR_BYTES
-from ._simd import bfloat16_interleaved_step, copy_16, half_step, interleaved_step
+from ._runs import run_start
+from ._simd import (
+    address,
+    bfloat16_interleaved_step,
+    copy_16,
+    half_step,
+    interleaved_step,
+    store_fence,
+)
 
 # Rows per block in the direct path where rows have a tail: the block's tails are copied
 # after its rows are rotated, while its lines are still in cache.
 _TAIL_BLOCK_ROWS = 16
 
 
-def _direct_rows_for(nontemporal):
-    """The direct path's row loop, storing with streaming stores or (``nontemporal`` False)
-    plain ones: a function ``rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin,
-    rotary_dim, d, half, inv)`` for Numba, rotating the rows of one run straight into o (``x``
-    None: o in place, which only the plain-store mode is given)."""
+def _same(x, o):
+    """Whether x and o are one array: in place (see launch)."""
+
+
+@overload(_same)
+def _same_impl(x, o):
+    return lambda x, o: address(x, 0) == address(o, 0)
+
+
+def _direct_runs_for(nontemporal, in_place_runs=None):
+    """The direct path's loop over rows first..stop-1 of one operand (``g``: its geometry
+    block), rotated straight into o with streaming stores or (``nontemporal`` False) plain ones:
+    a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv)`` for
+    Numba. In place, x is o (the tail past rotary_dim is then left as it is), or None for an
+    in-place operand of rotate_qk beside one whose result streams: that operand's lines are read
+    before they are written, so it goes to ``in_place_runs`` (the plain-store loop) with x as o.
+    """
     # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
     # pair blocks are whole multiples of 16 bytes here: see launch.direct_path).
     widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
@@ -33,24 +53,17 @@ def _direct_rows_for(nontemporal):
     wide_bytes = widths[0]
     copy_16_bytes = copy_16(nontemporal)
 
-    def direct_rows(
-        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-    ):
-        """Rows of one run straight to o, rotated in vector registers."""
+    def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+        """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
 
-    @overload(direct_rows)
-    def direct_rows_impl(
-        x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-    ):
-        if isinstance(x, types.NoneType):  # in place: o read and written, no tail to copy
+    in_place_loop = direct_runs if in_place_runs is None else in_place_runs
 
-            def in_place(
-                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-            ):
-                direct_rows(
-                    o, o, idx, ob, ob, pb, so, so, sp, axis, run, cos, sin, rotary_dim,
-                    rotary_dim, half, inv,
-                )  # fmt: skip
+    @overload(direct_runs)
+    def direct_runs_impl(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+        if isinstance(x, types.NoneType):
+
+            def in_place(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+                in_place_loop(o, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv)
 
             return in_place
 
@@ -58,9 +71,7 @@ def _direct_rows_for(nontemporal):
         # conversions would call runtime helpers that Numba's JIT may not link.
         if o.dtype == types.int16 and not HARDWARE_F16:
 
-            def nothing(
-                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv
-            ):
+            def nothing(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
                 return None
 
             return nothing
@@ -75,55 +86,75 @@ def _direct_rows_for(nontemporal):
         # per row. The table row starts at the flat offset tb (cos and sin alike). One loop per
         # layout, and the tails copied in a loop of their own, a block of rows at a time: with
         # the layout test or the tail inside the row loop, LLVM kept the loop's registers on the
-        # stack.
-        def rows(x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, d, half, inv):
+        # stack. The loop over runs is in the same function: a function Numba compiles on its
+        # own is optimized and emitted by LLVM once more in each caller's library.
+        def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+            if first >= stop:
+                return
+            inner = g.shape[1] - 2
+            sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
+            axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see launch.direct_path
+            width = rotary_dim if _same(x, o) else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             wide = np.uint64(wide_bytes // o.itemsize)
             mid = np.uint64(32 // o.itemsize)
             n = np.uint64(rotary_dim)
             h = n // np.uint64(2)
-            block = max(run, 1) if d == rotary_dim else _TAIL_BLOCK_ROWS
-            for first in range(0, run, block):
-                stop = min(first + block, run)
-                if half:
-                    for r in range(first, stop):
-                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
-                        xr = np.uint64(xb + r * sx)
-                        orow = np.uint64(ob + r * so)
-                        j = np.uint64(0)
-                        while j + wide <= h:
-                            half_wide(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                            j += wide
-                        if three and j + mid <= h:
-                            half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                            j += mid
-                        if j < h:
-                            half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                else:
-                    for r in range(first, stop):
-                        tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
-                        xr = np.uint64(xb + r * sx)
-                        orow = np.uint64(ob + r * so)
-                        j = np.uint64(0)
-                        while j + wide <= n:
-                            pair_wide(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                            j += wide
-                        if three and j + mid <= n:
-                            pair_32(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                            j += mid
-                        if j < n:
-                            pair_16(x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv)
-                if d > rotary_dim:
-                    for r in range(first, stop):
-                        xr = np.uint64(xb + r * sx)
-                        orow = np.uint64(ob + r * so)
-                        for t in range(rotary_dim, d, 16 // o.itemsize):
-                            copy_16_bytes(x, xr + np.uint64(t), o, orow + np.uint64(t))
+            row_at = first
+            while row_at < stop:
+                xb, ob, pb, left = run_start(g, row_at)
+                run = min(left, stop - row_at)
+                row_at += run
+                block = max(run, 1) if width == rotary_dim else _TAIL_BLOCK_ROWS
+                for lo in range(0, run, block):
+                    hi = min(lo + block, run)
+                    if half:
+                        for r in range(lo, hi):
+                            tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                            xr = np.uint64(xb + r * sx)
+                            orow = np.uint64(ob + r * so)
+                            j = np.uint64(0)
+                            while j + wide <= h:
+                                half_wide(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                                j += wide
+                            if three and j + mid <= h:
+                                half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                                j += mid
+                            if j < h:
+                                half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                    else:
+                        for r in range(lo, hi):
+                            tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                            xr = np.uint64(xb + r * sx)
+                            orow = np.uint64(ob + r * so)
+                            j = np.uint64(0)
+                            while j + wide <= n:
+                                pair_wide(
+                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
+                                )
+                                j += wide
+                            if three and j + mid <= n:
+                                pair_32(
+                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
+                                )
+                                j += mid
+                            if j < n:
+                                pair_16(
+                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
+                                )
+                    if width > rotary_dim:
+                        for r in range(lo, hi):
+                            xr = np.uint64(xb + r * sx)
+                            orow = np.uint64(ob + r * so)
+                            for t in range(rotary_dim, width, 16 // o.itemsize):
+                                copy_16_bytes(x, xr + np.uint64(t), o, orow + np.uint64(t))
+            if nontemporal:
+                store_fence()
 
-        return rows
+        return runs
 
-    return direct_rows
+    return direct_runs
 
 
-direct_rows_streaming = _direct_rows_for(True)
-direct_rows_plain = _direct_rows_for(False)
+direct_runs_plain = _direct_runs_for(False)
+direct_runs_streaming = _direct_runs_for(True, direct_runs_plain)

@@ -17,7 +17,8 @@ from numba.extending import overload
 
 from ._config import DISK_CACHE
 from ._convert import load, store
-from ._direct import direct_rows_plain, direct_rows_streaming
+from ._direct import direct_runs_plain, direct_runs_streaming
+from ._runs import run_start
 from ._simd import address, store_fence, stream_line
 
 SCRATCH, DIRECT, VECTOR = 1, 2, 3  # how a launch stores results (see launch); 0: plain stores
@@ -153,29 +154,6 @@ def _stream_copy(src, dst, start, n):
         dst[start + np.uint64(j)] = src[np.uint64(j)]
 
 
-@njit(inline="always")
-def _run_start(g, row):
-    """Offsets (x, out, idx) of row ``row`` of the operand whose geometry block is ``g``, and how
-    many rows from it on share its run along the innermost leading axis, where the offsets
-    advance by constant strides. The loops decode the leading index (int64 divisions) once per
-    run: per-row index bookkeeping would cost as much as rotating a float32 row in cache."""
-    nlead = g.shape[1] - 1
-    xb = g[1, nlead]
-    ob = g[2, nlead]
-    pb = g[3, nlead]
-    rem = np.int64(row)
-    left = np.int64(0)
-    for ax in range(nlead - 1, -1, -1):
-        i = rem % g[0, ax]
-        rem //= g[0, ax]
-        if ax == nlead - 1:
-            left = g[0, ax] - i
-        xb += i * g[1, ax]
-        ob += i * g[2, ax]
-        pb += i * g[3, ax]
-    return xb, ob, pb, left
-
-
 @njit
 def _rows(
     x,
@@ -210,7 +188,7 @@ def _rows(
     block = scratch.shape[0] // d
     row = first
     while row < stop:
-        xb, ob, pb, left = _run_start(g, row)
+        xb, ob, pb, left = run_start(g, row)
         run = min(left, stop - row)
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
         # time is rotated into scratch (in cache) and then streamed to o; else the run is one
@@ -246,57 +224,6 @@ def _rows(
         row += run
     if streaming:
         store_fence()
-
-
-def _direct_runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
-    """Rows first..stop-1 of the operand whose geometry block is ``g``, by the direct path (see
-    _direct), with streaming stores or (``nontemporal``, a literal, False; and in place) plain
-    ones."""
-
-
-@overload(_direct_runs, prefer_literal=True)
-def _direct_runs_impl(
-    nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv
-):
-    if not isinstance(nontemporal, types.BooleanLiteral):
-        return None
-    # in place (x None), lines are read before they are written: plain stores (rotate_qk may
-    # pair an in-place operand with one whose result streams)
-    streaming = nontemporal.literal_value and not isinstance(x, types.NoneType)
-    rows_of_run = direct_rows_streaming if streaming else direct_rows_plain
-
-    def runs(nontemporal, x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
-        if first >= stop:
-            return
-        inner = g.shape[1] - 2
-        sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
-        axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see launch.direct_path
-        # in place (x is o: see launch), the tail past rotary_dim is left as it is
-        width = rotary_dim if _same(x, o) else d
-        row = first
-        while row < stop:
-            xb, ob, pb, left = _run_start(g, row)
-            run = min(left, stop - row)
-            rows_of_run(
-                x, o, idx, xb, ob, pb, sx, so, sp, axis, run, cos, sin, rotary_dim, width, half,
-                inv,
-            )  # fmt: skip
-            row += run
-        if streaming:
-            store_fence()
-
-    return runs
-
-
-def _same(x, o):
-    """Whether x and o are one array (x None: in place too)."""
-
-
-@overload(_same)
-def _same_impl(x, o):
-    if isinstance(x, types.NoneType):
-        return lambda x, o: True
-    return lambda x, o: address(x, 0) == address(o, 0)
 
 
 @njit(inline="always")
@@ -343,8 +270,8 @@ def rotate_range_direct(
 ):  # fmt: skip
     """The direct path with streaming stores (DIRECT)."""
     f1, s1, f2, s2 = _shares(g, first, stop)
-    _direct_runs(True, x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
-    _direct_runs(True, x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
 
 
 @njit(cache=DISK_CACHE, nogil=True)
@@ -354,8 +281,8 @@ def rotate_range_vector(
 ):  # fmt: skip
     """The direct path with plain stores (VECTOR)."""
     f1, s1, f2, s2 = _shares(g, first, stop)
-    _direct_runs(False, x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
-    _direct_runs(False, x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_plain(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_plain(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
 
 
 # By ``stream`` (see launch): the one-thread kernel
