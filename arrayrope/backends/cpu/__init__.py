@@ -1,7 +1,7 @@
 """The CPU backend: Numba kernels for NumPy arrays, and the policy that picks how each call runs.
 
 Two launch strategies, chosen by the plan:
-- rows (:func:`rotate_rows`): one thread, the arrays taken as they are, for decode- and
+- rows (``_decode.rotate_rows``): one thread, the arrays taken as they are, for decode- and
   prefill-sized inputs with one position axis and positions in a row pattern;
 - general (:func:`launch`): flat views and operand geometry, q and k in one call, on one thread
   or in parallel tasks, with streaming or plain stores, multi-axis tables gathered per entry.
@@ -13,7 +13,7 @@ import numpy as np
 from .._geometry import flat_view, geometry
 from . import _config
 from ._config import HARDWARE_F16, STREAMING, threads_usable
-from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rotate_rows, settings
+from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rows_kernel, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
@@ -23,7 +23,6 @@ __all__ = [
     "POSITION_OUTSIDE_TABLE",
     "SPANS_OVERLAP",
     "launch",
-    "rotate_rows",
     "rows_entry",
     "settings",
     "small_below",
@@ -38,10 +37,11 @@ def small_below():
 
 
 def rows_entry(*args):
-    """The compiled entry point of :func:`rotate_rows` for the Numba types of ``args``
-    (compiled, or loaded from the disk cache, the first time): the caller promises every later
-    call passes arguments of exactly these types, and skips the dispatcher's type resolution."""
-    return rotate_rows.compile(tuple(numba.typeof(a) for a in args))
+    """The compiled entry point of the row kernel (see ``_decode.rotate_rows``) for the Numba
+    types of ``args`` (compiled, or loaded from the disk cache, the first time): the caller
+    promises every later call passes arguments of exactly these types, and skips the
+    dispatcher's type resolution."""
+    return rows_kernel(args[1].dtype).compile(tuple(numba.typeof(a) for a in args))
 
 
 def launch(spec, operands, cos, sin, inverse):

@@ -13,7 +13,7 @@ from numba.extending import overload
 
 from ._config import DISK_CACHE, HARDWARE_F16
 from ._rows import rotate_pairs
-from ._simd import bfloat16_interleaved_step, contiguous, copy_element, half_step, interleaved_step
+from ._simd import contiguous, copy_element, half_step, pair_step
 
 # The status rotate_rows returns. It writes nothing unless it returns DONE.
 DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP = 0, 1, 2
@@ -21,8 +21,21 @@ DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP = 0, 1, 2
 
 def settings(rotary_dim, half_style, inverse, repeat):
     """rotate_rows's ``settings``: every argument costs the call its unboxing, so the scalars
-    travel packed in one int (kept below 2**62). Unpacked in rotate_rows, right below."""
+    travel packed in one int (kept below 2**62), unpacked by _unpack."""
     return (repeat - 1) << 32 | rotary_dim << 2 | half_style << 1 | inverse
+
+
+def rows_kernel(dtype):
+    """The row kernel for outputs of ``dtype`` (float16 and bfloat16 as their int16 and uint16
+    bits): :func:`rotate_rows_in_steps` for the half types where the CPU converts float16,
+    :func:`rotate_rows` for the rest."""
+    if dtype == np.uint16 or (dtype == np.int16 and HARDWARE_F16):
+        return rotate_rows_in_steps
+    return rotate_rows
+
+
+# Each kernel is one function, its row loop written out in it rather than called: a function
+# Numba compiles on its own is optimized and emitted by LLVM once more in each caller's library.
 
 
 @njit(cache=DISK_CACHE)
@@ -32,20 +45,51 @@ def rotate_rows(x, o, positions, tables, settings):
     :func:`settings` for the rest. The only checks are the ones that depend on values and
     addresses, made before anything is written: every position is a row of the table, and the
     memory of x and o do not overlap (the caller tells exact aliasing from partial overlap).
-    """
-    repeat = (settings >> 32) + 1
-    rotary_dim = (settings >> 2) & 0x3FFFFFFF
-    half_style = (settings & 2) != 0
-    inverse = (settings & 1) != 0
+
+    The rows go through the general row body, a row view at a time: float32 and float64, and
+    float16 where the CPU has no F16C (see :func:`rows_kernel`)."""
+    repeat, rotary_dim, half_style, inverse = _unpack(settings)
     cos = tables[0]
     sin = tables[1]
+    refused = _refused(x, o, positions, cos.shape[0])
+    if refused != DONE:
+        return refused
+    d = o.shape[o.ndim - 1]
+    n = rotary_dim // 2
     period = _count(positions)
-    for i in range(period):
-        if _entry(positions, i) < 0 or _entry(positions, i) >= cos.shape[0]:
+    entry = 0
+    left = repeat
+    for idx in np.ndindex(o.shape[:-1]):
+        p = _entry(positions, entry)
+        xv, ov = _row_at(x, o, idx)
+        rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
+        for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
+            ov[np.uint64(j)] = xv[np.uint64(j)]
+        left -= 1
+        if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
+            left = repeat
+            entry += 1
+            if entry == period:
+                entry = 0
+    return DONE
+
+
+@njit(inline="always")
+def _unpack(settings):
+    """(repeat, rotary_dim, half_style, inverse) from :func:`settings`'s packed int."""
+    repeat = (settings >> 32) + 1
+    return repeat, (settings >> 2) & 0x3FFFFFFF, (settings & 2) != 0, (settings & 1) != 0
+
+
+@njit(inline="always")
+def _refused(x, o, positions, rows):
+    """DONE, or why the kernel may not write: a position outside the table's ``rows``, or x and
+    o overlapping."""
+    for i in range(_count(positions)):
+        if _entry(positions, i) < 0 or _entry(positions, i) >= rows:
             return POSITION_OUTSIDE_TABLE
     if _overlap(x, o):
         return SPANS_OVERLAP
-    _rows_of(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse)
     return DONE
 
 
@@ -119,45 +163,15 @@ def _span(a):
     return lo, hi
 
 
-def _rows_of(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
-    """rotate_rows's row loop."""
-
-
-@overload(_rows_of)
-def _rows_of_impl(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
-    # float16 without F16C keeps the row-view loop: see _direct
-    if o.dtype == types.uint16 or (o.dtype == types.int16 and HARDWARE_F16):
-        return _rows_in_steps[o.dtype == types.uint16]
-    return _rows_one_by_one
-
-
-def _rows_one_by_one(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
-    """The rows through the general row body, a row view at a time."""
-    d = o.shape[o.ndim - 1]
-    n = rotary_dim // 2
-    period = _count(positions)
-    entry = 0
-    left = repeat
-    for idx in np.ndindex(o.shape[:-1]):
-        p = _entry(positions, entry)
-        xv, ov = _row_at(x, o, idx)
-        rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
-        for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
-            ov[np.uint64(j)] = xv[np.uint64(j)]
-        left -= 1
-        if left == 0:  # a counter, not r // repeat % period: divisions cost more than a row
-            left = repeat
-            entry += 1
-            if entry == period:
-                entry = 0
-
-
 # float16 and bfloat16 rows go through the direct path's vector steps, with plain stores that
 # need only element alignment, rows addressed by offset: LLVM's own loop over a row view converts
 # these types less well. float32 and float64 keep that loop, which the steps do not beat.
 _half_32 = half_step(32, False, aligned=False)
 _half_16 = half_step(16, False, aligned=False)
 _half_1 = half_step(None, False, aligned=False)
+_pair_32 = pair_step(32, False, aligned=False)
+_pair_16 = pair_step(16, False, aligned=False)
+_pair_1 = pair_step(None, False, aligned=False)
 
 
 def _source(x, o):
@@ -190,77 +204,73 @@ def _offset(a, idx):
     return offset // a.itemsize
 
 
-def _rows_in_steps_for(pair_32, pair_16, pair_1):
-    """The small path's rows in vector steps, with ``pair_*`` the interleaved layout's."""
-
-    def rows(x, o, positions, repeat, cos, sin, rotary_dim, half_style, inverse):
-        """The rows in vector steps, each addressed by its flat offsets (no row views): 32
-        bytes at a time, then 16, then a pair at a time. Tails are copied afterwards."""
-        src = _source(x, o)
-        n = rotary_dim
-        h = n // 2
-        wide = 32 // o.itemsize
-        narrow = wide // 2
-        stride = cos.strides[0] // cos.itemsize  # sin's too: both are views of one table
-        period = _count(positions)
-        entry = 0
-        left = repeat
-        if half_style:
-            for idx in np.ndindex(o.shape[:-1]):
-                t = _entry(positions, entry) * stride
-                xr = _offset(src, idx)
-                orow = _offset(o, idx)
-                j = 0
-                while j + wide <= h:
-                    _half_32(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                    j += wide
-                if j + narrow <= h:
-                    _half_16(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                    j += narrow
-                while j < h:
-                    _half_1(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                    j += 1
-                left -= 1
-                if left == 0:
-                    left = repeat
-                    entry += 1
-                    if entry == period:
-                        entry = 0
-        else:
-            for idx in np.ndindex(o.shape[:-1]):
-                t = _entry(positions, entry) * stride
-                xr = _offset(src, idx)
-                orow = _offset(o, idx)
-                j = 0
-                while j + wide <= n:
-                    pair_32(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                    j += wide
-                if j + narrow <= n:
-                    pair_16(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                    j += narrow
-                while j < n:
-                    pair_1(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                    j += 2
-                left -= 1
-                if left == 0:
-                    left = repeat
-                    entry += 1
-                    if entry == period:
-                        entry = 0
-        d = o.shape[o.ndim - 1]
-        if d > rotary_dim and _copies(x):
-            for idx in np.ndindex(o.shape[:-1]):
-                xr = _offset(src, idx)
-                orow = _offset(o, idx)
-                for j in range(rotary_dim, d):
-                    copy_element(src, xr + j, o, orow + j)
-
-    return rows
-
-
-_rows_in_steps = (
-    _rows_in_steps_for(*(interleaved_step(n, False, aligned=False) for n in (32, 16, None))),
-    _rows_in_steps_for(
-        *(bfloat16_interleaved_step(n, False, aligned=False) for n in (32, 16, None))
-    ),
-)
+@njit(cache=DISK_CACHE)
+def rotate_rows_in_steps(x, o, positions, tables, settings):
+    """:func:`rotate_rows` for float16 and bfloat16 (``o`` and ``x`` their int16 and uint16
+    bits): the rows in vector steps, each addressed by its flat offsets (no row views), 32 bytes
+    at a time, then 16, then a pair at a time; tails are copied afterwards."""
+    repeat, rotary_dim, half_style, inverse = _unpack(settings)
+    cos = tables[0]
+    sin = tables[1]
+    refused = _refused(x, o, positions, cos.shape[0])
+    if refused != DONE:
+        return refused
+    src = _source(x, o)
+    n = rotary_dim
+    h = n // 2
+    wide = 32 // o.itemsize
+    narrow = wide // 2
+    stride = cos.strides[0] // cos.itemsize  # sin's too: both are views of one table
+    period = _count(positions)
+    entry = 0
+    left = repeat
+    if half_style:
+        for idx in np.ndindex(o.shape[:-1]):
+            t = _entry(positions, entry) * stride
+            xr = _offset(src, idx)
+            orow = _offset(o, idx)
+            j = 0
+            while j + wide <= h:
+                _half_32(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                j += wide
+            if j + narrow <= h:
+                _half_16(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                j += narrow
+            while j < h:
+                _half_1(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
+                j += 1
+            left -= 1
+            if left == 0:
+                left = repeat
+                entry += 1
+                if entry == period:
+                    entry = 0
+    else:
+        for idx in np.ndindex(o.shape[:-1]):
+            t = _entry(positions, entry) * stride
+            xr = _offset(src, idx)
+            orow = _offset(o, idx)
+            j = 0
+            while j + wide <= n:
+                _pair_32(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                j += wide
+            if j + narrow <= n:
+                _pair_16(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                j += narrow
+            while j < n:
+                _pair_1(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
+                j += 2
+            left -= 1
+            if left == 0:
+                left = repeat
+                entry += 1
+                if entry == period:
+                    entry = 0
+    d = o.shape[o.ndim - 1]
+    if d > rotary_dim and _copies(x):
+        for idx in np.ndindex(o.shape[:-1]):
+            xr = _offset(src, idx)
+            orow = _offset(o, idx)
+            for j in range(rotary_dim, d):
+                copy_element(src, xr + j, o, orow + j)
+    return DONE

@@ -13,14 +13,7 @@ from numba.extending import overload
 
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._runs import run_start
-from ._simd import (
-    address,
-    bfloat16_interleaved_step,
-    copy_16,
-    half_step,
-    interleaved_step,
-    store_fence,
-)
+from ._simd import address, copy_16, half_step, pair_step, store_fence
 
 # Rows per block in the direct path where rows have a tail: the block's tails are copied
 # after its rows are rotated, while its lines are still in cache.
@@ -48,8 +41,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     # pair blocks are whole multiples of 16 bytes here: see launch.direct_path).
     widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
     half_steps = tuple(half_step(w, nontemporal) for w in widths)
-    pair_steps = tuple(interleaved_step(w, nontemporal) for w in widths)
-    bfloat16_steps = tuple(bfloat16_interleaved_step(w, nontemporal) for w in widths)
+    pair_steps = tuple(pair_step(w, nontemporal) for w in widths)
     wide_bytes = widths[0]
     copy_16_bytes = copy_16(nontemporal)
 
@@ -77,9 +69,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
             return nothing
 
         three = len(widths) == 3  # else no middle step: the 32-byte one is the widest
-        steps = bfloat16_steps if o.dtype == types.uint16 else pair_steps
         half_wide, half_32, half_16 = half_steps if three else half_steps[:1] + half_steps
-        pair_wide, pair_32, pair_16 = steps if three else steps[:1] + steps
+        pair_wide, pair_32, pair_16 = pair_steps if three else pair_steps[:1] + pair_steps
 
         # Each row's loop is written out here, not called as an inlined helper: the helper's
         # array arguments, and table rows taken as views (cos[p]), cost reference-count calls

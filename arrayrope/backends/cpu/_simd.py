@@ -189,87 +189,87 @@ def half_step(nbytes, nontemporal, aligned=True):
     return step
 
 
-def interleaved_step(nbytes, nontemporal, aligned=True):
+def pair_step(nbytes, nontemporal, aligned=True):
     """An intrinsic rotating the pairs (2j, 2j + 1) in the ``nbytes`` of o from o[oa] on (None:
     one pair): x read from x[xa], tables from cos[t], sin[t]. _interleaved_pairs's arithmetic,
-    in vectors: each element times its pair's cos, plus its partner times its pair's (signed)
-    sin. It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+    in vectors, by :func:`_interleaved_codegen`, or :func:`_bfloat16_codegen` where o holds
+    bfloat16 bits (uint16). It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
 
     @intrinsic
     def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
-        lanes = 2 if nbytes is None else _lanes_of(o, nbytes)
-        i32 = ir.IntType(32)
-        twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
-        swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
-        # even lanes from the difference, odd lanes from the sum
-        pick = ir.Constant(
-            ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
+        if o.dtype == types.uint16:
+            codegen = _bfloat16_codegen(nbytes, nontemporal, aligned)
+        else:
+            lanes = 2 if nbytes is None else _lanes_of(o, nbytes)
+            codegen = _interleaved_codegen(lanes, nontemporal, aligned)
+        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
+
+    return step
+
+
+def _interleaved_codegen(lanes, nontemporal, aligned):
+    """The pair step in ``lanes`` elements: each element times its pair's cos, plus its
+    partner times its pair's (signed) sin."""
+    i32 = ir.IntType(32)
+    twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
+    swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
+    # even lanes from the difference, odd lanes from the sum
+    pick = ir.Constant(
+        ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
+    )
+
+    def codegen(context, builder, signature, args):
+        x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+        tys = signature.args
+        v = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
+        c = _load_lanes(context, builder, tys[4], cos_, t_, lanes // 2)
+        s = _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2)
+        s = _signed_sin(builder, s, inverse_)
+        c = builder.shuffle_vector(c, c, twice)
+        s = builder.shuffle_vector(s, s, twice)
+        scaled = builder.fmul(v, c)  # (a c, b c)
+        crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
+        result = builder.shuffle_vector(
+            builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
         )
+        _stream_lanes(context, builder, tys[2], o_, oa_, result, nontemporal, aligned)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, signature, args):
-            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
-            tys = signature.args
-            v = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
-            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes // 2)
-            s = _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2)
-            s = _signed_sin(builder, s, inverse_)
-            c = builder.shuffle_vector(c, c, twice)
-            s = builder.shuffle_vector(s, s, twice)
-            scaled = builder.fmul(v, c)  # (a c, b c)
-            crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
-            result = builder.shuffle_vector(
-                builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
-            )
-            _stream_lanes(context, builder, tys[2], o_, oa_, result, nontemporal, aligned)
-            return context.get_dummy_value()
-
-        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
-
-    return step
+    return codegen
 
 
-def bfloat16_interleaved_step(nbytes, nontemporal, aligned=True):
-    """The interleaved step for bfloat16, with no shuffles (they cost the shuffling step a fifth
-    of its speed): each pair's two elements are one 32-bit word, whose low half is the first
-    element's bits and whose high half is the second's, so shifting and masking the word widens
-    both to float32, and f32_to_bf16_result on both results puts them back. ``nbytes`` None:
-    one pair; ``aligned`` False: stores need only element alignment."""
+def _bfloat16_codegen(nbytes, nontemporal, aligned):
+    """The pair step for bfloat16, with no shuffles (they cost the shuffling step a fifth of its
+    speed): each pair's two elements are one 32-bit word, whose low half is the first element's
+    bits and whose high half is the second's, so shifting and masking the word widens both to
+    float32, and f32_to_bf16_result on both results puts them back."""
+    lanes = 1 if nbytes is None else nbytes // 4  # pairs
+    i32 = ir.IntType(32)
+    words = ir.VectorType(i32, lanes)
+    floats = ir.VectorType(ir.FloatType(), lanes)
 
-    @intrinsic
-    def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
-        lanes = 1 if nbytes is None else nbytes // 4  # pairs
-        i32 = ir.IntType(32)
-        words = ir.VectorType(i32, lanes)
-        floats = ir.VectorType(ir.FloatType(), lanes)
+    def codegen(context, builder, signature, args):
+        x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
+        tys = signature.args
+        source = context.make_array(tys[0])(context, builder, x_).data
+        pair = builder.load(
+            builder.bitcast(builder.gep(source, [xa_]), words.as_pointer()), align=2
+        )
+        sixteen = _splat(i32, lanes, 16)
+        a = builder.bitcast(builder.shl(pair, sixteen), floats)
+        b = builder.bitcast(builder.and_(pair, _splat(i32, lanes, 0xFFFF0000)), floats)
+        c = _load_lanes(context, builder, tys[4], cos_, t_, lanes)
+        s = _signed_sin(builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_)
+        first = _bf16_round_lanes(builder, builder.fsub(builder.fmul(a, c), builder.fmul(b, s)))
+        second = _bf16_round_lanes(builder, builder.fadd(builder.fmul(b, c), builder.fmul(a, s)))
+        result = builder.or_(
+            builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
+        )
+        align = 16 if aligned else 2
+        _store_streaming(context, builder, tys[2], o_, oa_, result, align, nontemporal)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, signature, args):
-            x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
-            tys = signature.args
-            source = context.make_array(tys[0])(context, builder, x_).data
-            pair = builder.load(
-                builder.bitcast(builder.gep(source, [xa_]), words.as_pointer()), align=2
-            )
-            sixteen = _splat(i32, lanes, 16)
-            a = builder.bitcast(builder.shl(pair, sixteen), floats)
-            b = builder.bitcast(builder.and_(pair, _splat(i32, lanes, 0xFFFF0000)), floats)
-            c = _load_lanes(context, builder, tys[4], cos_, t_, lanes)
-            s = _signed_sin(
-                builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_
-            )
-            first = _bf16_round_lanes(builder, builder.fsub(builder.fmul(a, c), builder.fmul(b, s)))
-            second = _bf16_round_lanes(
-                builder, builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
-            )
-            result = builder.or_(
-                builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
-            )
-            align = 16 if aligned else 2
-            _store_streaming(context, builder, tys[2], o_, oa_, result, align, nontemporal)
-            return context.get_dummy_value()
-
-        return types.void(x, xa, o, oa, cos, sin, t, inverse), codegen
-
-    return step
+    return codegen
 
 
 def copy_16(nontemporal):
