@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._config import DISK_CACHE, HARDWARE_F16
-from ._rows import rotate_pairs
+from ._rows import rotate_half_pairs, rotate_interleaved_pairs
 from ._simd import contiguous, copy_element, half_step, pair_step
 
 # The status rotate_rows returns. It writes nothing unless it returns DONE.
@@ -62,7 +62,10 @@ def rotate_rows(x, o, positions, tables, settings):
     for idx in np.ndindex(o.shape[:-1]):
         p = _entry(positions, entry)
         xv, ov = _row_at(x, o, idx)
-        rotate_pairs(xv, ov, n if half_style else 0, n, cos[p], sin[p], inverse)
+        if half_style:
+            rotate_half_pairs(xv, ov, n, n, cos[p], sin[p], inverse)
+        else:
+            rotate_interleaved_pairs(xv, ov, n, cos[p], sin[p], inverse)
         for j in range(rotary_dim, d):  # the tail past rotary_dim, copied
             ov[np.uint64(j)] = xv[np.uint64(j)]
         left -= 1

@@ -80,19 +80,22 @@ def _interleaved_pairs(x, o, n, cos, sin, inverse):
         store(o, 2 * k + one, b * c + a * s)
 
 
+# Each layout's pairs are a function of their own, and each direction its own loop in it, with
+# ``inverse`` a constant there: a runtime sign select left in the loop costs every element a
+# select, and a runtime layout test would compile every layout's loops at each call site.
 @njit(inline="always")
-def rotate_pairs(x, o, half, n, cos, sin, inverse):
-    """n pairs: (j, j + half) where half > 0 (the "half" layout), else (2j, 2j + 1).
+def rotate_half_pairs(x, o, half, n, cos, sin, inverse):
+    """n pairs (j, j + half): the "half" layout."""
+    if inverse:
+        _pairs(x, o, half, n, cos, sin, True)
+    else:
+        _pairs(x, o, half, n, cos, sin, False)
 
-    Each layout and direction is its own loop, with ``inverse`` a constant in it: a runtime
-    sign select left in the loop costs every element a select.
-    """
-    if half:
-        if inverse:
-            _pairs(x, o, half, n, cos, sin, True)
-        else:
-            _pairs(x, o, half, n, cos, sin, False)
-    elif inverse:
+
+@njit(inline="always")
+def rotate_interleaved_pairs(x, o, n, cos, sin, inverse):
+    """n pairs (2j, 2j + 1): the "interleaved" layout."""
+    if inverse:
         _interleaved_pairs(x, o, n, cos, sin, True)
     else:
         _interleaved_pairs(x, o, n, cos, sin, False)
@@ -111,10 +114,10 @@ def _row(
         first, stop = seg[s, 0], seg[s, 1]
         if half_style:
             xv, ov = _row_views(x, o, xb + np.uint64(first), ob + np.uint64(first))
-            rotate_pairs(xv, ov, half, stop - first, cos[p, first:], sin[p, first:], inverse)
+            rotate_half_pairs(xv, ov, half, stop - first, cos[p, first:], sin[p, first:], inverse)
         else:
             xv, ov = _row_views(x, o, xb + np.uint64(2 * first), ob + np.uint64(2 * first))
-            rotate_pairs(xv, ov, 0, stop - first, cos[p, first:], sin[p, first:], inverse)
+            rotate_interleaved_pairs(xv, ov, stop - first, cos[p, first:], sin[p, first:], inverse)
     if copy_tail:
         xv, ov = _row_views(x, o, xb + np.uint64(rotary_dim), ob + np.uint64(rotary_dim))
         for j in range(d - rotary_dim):
