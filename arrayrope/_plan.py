@@ -322,6 +322,7 @@ class GeneralPlan:
         xp, fam = self.xp, self.family
         # copy() makes a fresh C-order array, aligned where a contiguous view may not be
         if in_place:
+            x = out  # one layout at one address; x may be a read-only view of a writable out
             if not (self.any_layout or _arrays.addressable(x, fam)):
                 temp = x.copy()
                 write_back.append((temp, out))

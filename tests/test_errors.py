@@ -128,6 +128,20 @@ def test_exact_alias_is_in_place(x):
     np.testing.assert_array_equal(x, expected)
 
 
+@pytest.mark.parametrize("vector_rows", [True, False])
+@pytest.mark.parametrize("shape", [(2, 3, 8), (2, 8, 512, 64)], ids=["rows", "general"])
+def test_read_only_view_of_the_out_is_rotated_in_place(shape, vector_rows, cpu_config):
+    # x a read-only view of out's memory is in place: the result is written through out, on
+    # every route
+    cpu_config(vector_rows=vector_rows)
+    out = np.random.default_rng(0).standard_normal(shape)
+    expected = ar.rotate(out, 3, backend="numpy")
+    view = out[...]
+    view.flags.writeable = False
+    assert ar.rotate(view, 3, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_read_only_out(x):
     x.flags.writeable = False
     with pytest.raises(RopeValueError, match="out is read-only"):
