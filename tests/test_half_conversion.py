@@ -132,8 +132,9 @@ def test_kernels_on_the_software_float16_path():
 
     code = (
         "import numpy as np, arrayrope as ar\n"
-        "from arrayrope.backends.cpu import _config, _rows\n"
+        "from arrayrope.backends.cpu import _config, _decode, _rows\n"
         "assert not _config.HARDWARE_F16\n"
+        "assert _decode.rows_kernel(np.dtype(np.int16)) is _decode.rotate_rows\n"
         "x = (np.random.default_rng(0).standard_normal((3, 5, 16)) * 300).astype(np.float16)\n"
         "for style in ('interleaved', 'half'):\n"
         "    ref = ar.rotate(x, 1000, style=style, backend='numpy')\n"
@@ -144,8 +145,9 @@ def test_kernels_on_the_software_float16_path():
         "    assert (general.view(np.uint16) == ref.view(np.uint16)).all(), style\n"
         # no F16C instruction anywhere in the general row loop: without F16C they would be
         # calls Numba's JIT may not link (direct_path refuses such float16 outputs)
-        "for code in _rows.rotate_range.inspect_asm().values():\n"
-        "    assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
+        "for kernel in (_rows.rotate_range, _decode.rotate_rows):\n"
+        "    for code in kernel.inspect_asm().values():\n"
+        "        assert 'vcvtph2ps' not in code and 'vcvtps2ph' not in code\n"
     )
     env = dict(os.environ, ARRAYROPE_SOFT_F16="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -257,17 +257,22 @@ def _offsets(buffer, view):
 
 
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
-def test_streamed_rotate_qk_with_one_operand_in_place(threads, rng):
-    # rotate_qk streams the operand that has its own output and not the one rotated in place
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_streamed_rotate_qk_with_one_operand_in_place(threads, rotary_dim, rng):
+    # rotate_qk streams the operand that has its own output and not the one rotated in place,
+    # whose tail past rotary_dim is left as it was
+    rope = ar.RoPE(64, rotary_dim=rotary_dim)
     q = rng.standard_normal((2, 8, 64, 64)).astype(np.float32)
     k = rng.standard_normal((2, 2, 64, 64)).astype(np.float32)
-    expected = ar.rotate(q, backend="numpy"), ar.rotate(k, backend="numpy")
+    expected = rope.rotate(q, backend="numpy"), rope.rotate(k, backend="numpy")
     q_out, k_in_place = poisoned(q.shape, q.dtype), k.copy()
-    with _streaming(threads), _config.override(small_below=0):
-        got = ar.rotate_qk(q, k_in_place, out=(q_out, k_in_place))
-    assert got[0] is q_out and got[1] is k_in_place
+    modes = []
+    with _streaming(threads):
+        got = _general(rope, (q, k_in_place), None, (q_out, k_in_place), modes=modes)
+    assert got[0] is q_out and got[1] is k_in_place and modes == [cpu.DIRECT]
     for result, ref, source in zip(got, expected, (q, k)):
         assert_matches(result, ref.astype(np.float64), source)
+    np.testing.assert_array_equal(bits(k_in_place[..., rotary_dim:]), bits(k[..., rotary_dim:]))
 
 
 def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
@@ -289,22 +294,31 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
         assert modes == [0] * 6
 
 
-def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config):
-    # The direct path's plain-store kernel takes x as it is in place too (its steps load a block
-    # before they store it): an in-place call compiles nothing an out= call has not.
+def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config, rng):
+    # The direct path's plain-store kernel takes x itself in place (its steps load a block before
+    # they store it): an in-place call compiles nothing an out= call has not, no signature of it
+    # takes None for x, and the tail past rotary_dim is left as it was.
     if not _config.STREAMING:
         pytest.skip("the direct path is used on x86-64 only")
+    from numba import types
+
     from arrayrope.backends.cpu import _rows
 
-    cpu_config(stream_above=1 << 62)
+    cpu_config(stream_above=1 << 62, serial_below=1 << 62)
     rope = ar.RoPE(128, rotary_dim=96)
-    x = np.ones((1, 4, 64, 128), np.float64)
+    x = rng.standard_normal((1, 4, 64, 128))
+    with _config.override(**PLAIN):
+        expected = x.copy()
+        _general(rope, (expected,), None, (expected,))
     modes = []
     _general(rope, (x,), None, (np.empty_like(x),), modes=modes)
     compiled = set(_rows.rotate_range_vector.signatures)
-    _general(rope, (x,), None, (x,), modes=modes)
+    y = x.copy()
+    _general(rope, (y,), None, (y,), modes=modes)
     assert modes == [cpu.VECTOR] * 2
     assert set(_rows.rotate_range_vector.signatures) == compiled
+    assert not any(isinstance(sig[i], types.NoneType) for sig in compiled for i in (0, 3))
+    np.testing.assert_array_equal(bits(y), bits(expected))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the oracle's nans

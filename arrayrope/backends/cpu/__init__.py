@@ -1,7 +1,7 @@
 """The CPU backend: Numba kernels for NumPy arrays, and the policy that picks how each call runs.
 
 Two launch strategies, chosen by the plan:
-- rows (``_decode.rotate_rows``): one thread, the arrays taken as they are, for decode- and
+- rows (``_decode.rows_kernel``): one thread, the arrays taken as they are, for decode- and
   prefill-sized inputs with one position axis and positions in a row pattern;
 - general (:func:`launch`): flat views and operand geometry, q and k in one call, on one thread
   or in parallel tasks, with streaming or plain stores, multi-axis tables gathered per entry.
@@ -37,7 +37,7 @@ def small_below():
 
 
 def rows_entry(*args):
-    """The compiled entry point of the row kernel (see ``_decode.rotate_rows``) for the Numba
+    """The compiled entry point of the row kernel (see ``_decode.rows_kernel``) for the Numba
     types of ``args`` (compiled, or loaded from the disk cache, the first time): the caller
     promises every later call passes arguments of exactly these types, and skips the
     dispatcher's type resolution."""

@@ -1,4 +1,4 @@
-"""The one-thread row kernel for decode- and prefill-sized inputs.
+"""The one-thread row kernels for decode- and prefill-sized inputs.
 
 It takes the arrays as they are, with any number of axes and any leading strides (the plan has
 checked that the kernel can address them): flat views and operand geometry cost more Python than
@@ -15,12 +15,12 @@ from ._config import DISK_CACHE, HARDWARE_F16
 from ._rows import rotate_half_pairs, rotate_interleaved_pairs
 from ._simd import contiguous, copy_element, half_step, pair_step
 
-# The status rotate_rows returns. It writes nothing unless it returns DONE.
+# The status a row kernel returns. It writes nothing unless it returns DONE.
 DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP = 0, 1, 2
 
 
 def settings(rotary_dim, half_style, inverse, repeat):
-    """rotate_rows's ``settings``: every argument costs the call its unboxing, so the scalars
+    """The row kernels' ``settings``: every argument costs the call its unboxing, so the scalars
     travel packed in one int (kept below 2**62), unpacked by _unpack."""
     return (repeat - 1) << 32 | rotary_dim << 2 | half_style << 1 | inverse
 
@@ -209,9 +209,9 @@ def _offset(a, idx):
 
 @njit(cache=DISK_CACHE)
 def rotate_rows_in_steps(x, o, positions, tables, settings):
-    """:func:`rotate_rows` for float16 and bfloat16 (``o`` and ``x`` their int16 and uint16
-    bits): the rows in vector steps, each addressed by its flat offsets (no row views), 32 bytes
-    at a time, then 16, then a pair at a time; tails are copied afterwards."""
+    """:func:`rotate_rows` for float16 and bfloat16, x and o as their bits (int16 and uint16;
+    x None: in place): the rows in vector steps, each addressed by its flat offsets (no row
+    views), 32 bytes at a time, then 16, then a pair at a time; tails are copied afterwards."""
     repeat, rotary_dim, half_style, inverse = _unpack(settings)
     cos = tables[0]
     sin = tables[1]

@@ -21,7 +21,8 @@ _TAIL_BLOCK_ROWS = 16
 
 
 def _same(x, o):
-    """Whether x and o are one array: in place (see launch)."""
+    """Whether x and o start at one address: in place (see launch; the plan refuses partial
+    overlap, so distinct operands never do)."""
 
 
 @overload(_same)
@@ -38,7 +39,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     before they are written, so it goes to ``in_place_runs`` (the plain-store loop) with x as o.
     """
     # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
-    # pair blocks are whole multiples of 16 bytes here: see launch.direct_path).
+    # pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
     widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
     half_steps = tuple(half_step(w, nontemporal) for w in widths)
     pair_steps = tuple(pair_step(w, nontemporal) for w in widths)
@@ -52,6 +53,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
 
     @overload(direct_runs)
     def direct_runs_impl(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+        # launch passes None only to the streaming loop (see launch), which hands it on
         if isinstance(x, types.NoneType):
 
             def in_place(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
@@ -84,7 +86,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                 return
             inner = g.shape[1] - 2
             sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
-            axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see launch.direct_path
+            axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see direct_path
             width = rotary_dim if _same(x, o) else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             wide = np.uint64(wide_bytes // o.itemsize)
