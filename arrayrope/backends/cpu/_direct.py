@@ -78,7 +78,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
         # array arguments, and table rows taken as views (cos[p]), cost reference-count calls
         # per row. The table row starts at the flat offset tb (cos and sin alike). One loop per
         # layout, and the tails copied in a loop of their own, a block of rows at a time: with
-        # the layout test or the tail inside the row loop, LLVM kept the loop's registers on the
+        # the layout test or the tail inside the row loop, LLVM keeps the loop's registers on the
         # stack. The loop over runs is in the same function: a function Numba compiles on its
         # own is optimized and emitted by LLVM once more in each caller's library.
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):

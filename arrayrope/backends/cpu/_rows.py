@@ -50,7 +50,7 @@ def _row_views_impl(x, o, xb, ob):
 
 # Every index is uint64: Numba adds a negative-index wraparound select to signed indices, which
 # stops LLVM from vectorizing. And every index counts from 0 in a view that starts where the loop
-# starts: with a runtime start offset in the index, LLVM left the interleaved (stride-2) loops
+# starts: with a runtime start offset in the index, LLVM leaves the interleaved (stride-2) loops
 # scalar.
 @njit(inline="always")
 def _pairs(x, o, half, n, cos, sin, inverse):
@@ -196,7 +196,7 @@ def _rows(
         # Where the run's rows are contiguous in o and streaming pays, a block of them at a
         # time is rotated into scratch (in cache) and then streamed to o; else the run is one
         # block rotated straight into o. One call site of _row: each is inlined, and a second
-        # doubled the kernels' compile time.
+        # would double the kernels' compile time.
         buffered = streaming and so == d
         step = block if buffered else run
         for start in range(0, run, step):
