@@ -1,7 +1,7 @@
 """The one-thread row kernels for decode- and prefill-sized inputs.
 
-It takes the arrays as they are, with any number of axes and any leading strides (the plan has
-checked that the kernel can address them): flat views and operand geometry cost more Python than
+They take the arrays as they are, with any number of axes and any leading strides (the plan has
+checked that the kernels can address them): flat views and operand geometry cost more Python than
 the whole rotation of a decode step. Row r (in C order) sits at position
 ``positions[(r // repeat) % len(positions)]``; ``positions`` may be one int, which is cheaper
 to hand over than an array.
