@@ -186,11 +186,11 @@ class Engine:
             for i, out in enumerate(outs):
                 name = "out" if len(outs) == 1 else f"out[{i}]"
                 if i < len(xs) and out is xs[i] and _arrays.family(out) == FOREIGN:
-                    native, read_only = natives[i], _interop.adopt(name, out)[2]
+                    native, read_only = natives[i], _interop.adopt(name, out, True)[2]
                 elif _arrays.family(out):
                     native, read_only = out, False
                 else:
-                    native, _, read_only = _interop.adopt(name, out)
+                    native, _, read_only = _interop.adopt(name, out, True)
                 if read_only:
                     raise RopeValueError(
                         f"{name} is read-only ({_arrays.describe(out)}); rotate into a "

@@ -50,18 +50,37 @@ def native_positions(pos):
     return pos
 
 
-def adopt(name, a):
-    """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy), a function that returns a
-    result (NumPy or CuPy) as ``a``'s own type, and whether ``a`` is read-only. Raises for what
-    DLPack cannot carry."""
+def _resolve_lazy_bits(name, a, written):
+    """A torch tensor whose negative or conjugate bit is set (a lazy negation, as from
+    ``z.conj().imag``), resolved into a tensor that holds its values: DLPack exports the
+    memory without the bit, which would rotate the values of the opposite sign. One that is
+    written is refused: writing the memory would not write the tensor's values."""
+    if not (a.is_neg() or a.is_conj()):
+        return a
+    if written:
+        raise RopeValueError(
+            f"{name} has torch's negative or conjugate bit set (a lazy negation, as from "
+            "z.conj().imag), so its memory holds other values than it: pass "
+            f"{name}.resolve_neg() (a copy), or leave out unset"
+        )
+    return a.resolve_conj().resolve_neg()
+
+
+def adopt(name, a, written=False):
+    """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy, except of a torch tensor with
+    a lazy negation, which an input resolves first), a function that returns a result (NumPy or
+    CuPy) as ``a``'s own type, and whether ``a`` is read-only. ``written``: ``a`` is to be
+    written (an out). Raises for what DLPack cannot carry."""
     if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
-    if framework == "torch" and a.requires_grad:
-        raise RopeValueError(
-            f"{name} requires grad: it can be rotated into a new tensor (autograd then runs the "
-            "transpose backward), not written through out="
-        )
+    if framework == "torch":
+        if a.requires_grad:
+            raise RopeValueError(
+                f"{name} requires grad: it can be rotated into a new tensor (autograd then runs "
+                "the transpose backward), not written through out="
+            )
+        a = _resolve_lazy_bits(name, a, written)
     device_type = int(a.__dlpack_device__()[0])
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
     try:

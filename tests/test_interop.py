@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import BF16, bits
 
 import arrayrope as ar
@@ -158,6 +160,56 @@ def test_torch_autograd_runs_the_transpose_backward(torch, style):
     (y * y).sum().backward()
     expected = 2 * ar.rotate(y.detach(), pos, style=style, inverse=True)
     np.testing.assert_allclose(x.grad.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _lazily_negated(torch, values):
+    """A tensor equal to ``values`` that holds -values in memory, with torch's negative bit
+    set (as ``z.conj().imag`` is)."""
+    t = torch.complex(torch.zeros_like(values), -values).conj().imag
+    assert t.is_neg() and torch.equal(t, values)
+    return t
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "float64"]),
+    negated=st.sets(st.sampled_from(["x", "k", "pos"])),
+    style=st.sampled_from(["interleaved", "half"]),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_torch_lazy_negation_is_rotated_by_its_values(dtype, negated, style, rows, seed):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, rows, 16, generator=generator, dtype=getattr(torch, dtype))
+    k = torch.randn(2, 1, rows, 16, generator=generator, dtype=q.dtype)
+    pos = torch.randint(0, 10**5, (rows,), generator=generator).to(q.dtype)
+    expected_q = ar.rotate(q.numpy(), pos.numpy(), style=style)
+    expected_k = ar.rotate(k.numpy(), pos.numpy(), style=style)
+    lazy_q = _lazily_negated(torch, q) if "x" in negated else q
+    lazy_k = _lazily_negated(torch, k) if "k" in negated else k
+    lazy_pos = _lazily_negated(torch, pos) if "pos" in negated else pos
+    np.testing.assert_array_equal(ar.rotate(lazy_q, lazy_pos, style=style).numpy(), expected_q)
+    q_rot, k_rot = ar.rotate_qk(lazy_q, lazy_k, lazy_pos, style=style)
+    np.testing.assert_array_equal(q_rot.numpy(), expected_q)
+    np.testing.assert_array_equal(k_rot.numpy(), expected_k)
+    out = torch.empty_like(q)
+    assert ar.rotate(lazy_q, lazy_pos, style=style, out=out) is out
+    np.testing.assert_array_equal(out.numpy(), expected_q)
+
+
+def test_torch_lazy_negation_is_not_written(torch):
+    values = torch.randn(2, 5, 16)
+    x = _lazily_negated(torch, values)
+    memory = x.resolve_neg().neg().clone()  # what x's memory holds
+    for call in (
+        lambda: ar.rotate(x, 3, out=x),
+        lambda: ar.rotate(values, 3, out=x),
+        lambda: ar.rotate_qk(values, values.clone(), 3, out=(torch.empty_like(values), x)),
+    ):
+        with pytest.raises(RopeValueError, match="negative or conjugate bit.*resolve_neg"):
+            call()
+        assert torch.equal(x, values) and torch.equal(x.resolve_neg().neg(), memory)
 
 
 def test_torch_errors(torch):
