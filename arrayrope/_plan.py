@@ -25,6 +25,10 @@ from ._spec import check_inverse
 from .backends import check_name
 from .backends import module as backend_module
 
+# The most bytes of per-call cos/sin rows a NumPy call makes at once (see
+# GeneralPlan._run_in_blocks): they fit a core's share of the cache beside the data streaming by.
+BLOCK_BYTES = 1 << 20
+
 
 def _pick_backend(backend, array_family):
     if backend == "auto":
@@ -108,6 +112,14 @@ def build(engine, xs, outs, kind, pos, backend):
         if rows is not None:
             return rows
     return general
+
+
+def _checked_rows(tables, dtype, positions):
+    """``tables.integer_rows`` of positions that ``_positions.check_values`` has checked."""
+    rows = tables.integer_rows(dtype, positions)
+    if rows is None:  # only a bug in arrayrope reaches this
+        raise AssertionError("arrayrope: a position outside [0, 2**31) passed the check")
+    return rows
 
 
 class GeneralPlan:
@@ -202,7 +214,7 @@ class GeneralPlan:
                 cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
             if cached is not None:
                 return tables, cached[0], cached[1], [values for values, _, _ in resolved]
-        # Real-valued positions, or integers past the cache: one exact row per position entry.
+        # Real-valued positions, or integers past the cache: one row per position entry.
         rows, idxs, count = [], [], 0
         for values, _, _ in resolved:
             if any(values is seen for seen in rows):
@@ -214,9 +226,13 @@ class GeneralPlan:
             idx = value_xp.arange(count, count + n, dtype=np.int64)
             idxs.append(idx.reshape(values.shape[:-1] + (1,)))
             count += n
-        flat = [v.reshape(-1, v.shape[-1]).astype(np.float64, copy=False) for v in rows]
+        flat = [v.reshape(-1, v.shape[-1]) for v in rows]
         value_xp = _arrays.namespace_of(flat[0])
         flat = flat[0] if len(flat) == 1 else value_xp.concatenate(flat)
+        if value_xp is np and all(is_int for _, is_int, _ in resolved):
+            cos, sin = _checked_rows(tables, self.table_dtype, flat)
+            return tables, cos, sin, idxs
+        flat = flat.astype(np.float64, copy=False)
         if unknown:
             from .backends.cuda._device import mark_invalid
 
@@ -237,6 +253,10 @@ class GeneralPlan:
             if capture:
                 self._check_capturable(xs, pos, outs, seq_len)
         resolved = self._positions(xs, pos, seq_len)
+        if self.family == NUMPY:
+            blocked = self._blocked(xs, resolved, seq_len)
+            if blocked is not None:
+                return self._run_in_blocks(xs, resolved, blocked, inverse, outs)
         if resolved[0][2] is None:  # positions the kernel checks: report at exit what is left
             from .backends.cuda._device import arm
 
@@ -260,6 +280,58 @@ class GeneralPlan:
                 self.launch(self.spec, operands, cos, sin, inverse, freqs=tables, capture=capture)
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
+        for temp, out in write_back:
+            out[...] = temp
+        return results
+
+    def _blocked(self, xs, resolved, seq_len):
+        """The tables of a NumPy call whose integer positions reach past the cache's cap and
+        whose per-call rows would be larger than ``BLOCK_BYTES``, or None: such a call runs in
+        blocks of positions (see :meth:`_run_in_blocks`)."""
+        if not all(is_int for _, is_int, _ in resolved):
+            return None
+        high = max(h for _, _, h in resolved)
+        seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
+        tables = self.engine.freq_set(seq_len).tables
+        if high < tables.cap(self.table_dtype):
+            return None
+        entries = sum(values.size // values.shape[-1] for values, _, _ in resolved)
+        row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
+        return tables if entries * row_bytes > BLOCK_BYTES else None
+
+    def _run_in_blocks(self, xs, resolved, tables, inverse, outs):
+        """Rotate through per-call rows a block of positions at a time: each operand split
+        along the longest axis of its positions into blocks whose rows take at most
+        ``BLOCK_BYTES`` (they are still in cache when the kernel reads them), each block's rows
+        filled and rotated in turn. The memory of the rows stays bounded at any length."""
+        if outs is None:
+            results = tuple(np.empty_like(x) for x in xs)
+            in_place = (False,) * len(xs)
+        else:
+            results = outs
+            in_place = self._overlaps(xs, outs)
+        row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
+        block_rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
+        write_back = []
+        for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):
+            if x.size == 0:
+                continue
+            lead = x.shape[:-1]
+            # positions with one axis per leading axis of x (size 1 where they broadcast)
+            values = values.reshape((1,) * (len(lead) + 1 - values.ndim) + values.shape)
+            axis = int(np.argmax(values.shape[:-1])) if len(lead) else 0
+            length = values.shape[axis] if len(lead) else 1
+            per_step = values.size // values.shape[-1] // max(length, 1)
+            step = max(1, block_rows // max(per_step, 1))
+            for start in range(0, length, step):
+                part = (slice(None),) * axis + (slice(start, start + step),)
+                xb = x[part] if len(lead) else x
+                ob = xb if out is x else (out[part] if len(lead) else out)
+                vb = values[part] if len(lead) else values
+                rows = _checked_rows(tables, self.table_dtype, vb.reshape(-1, vb.shape[-1]))
+                idx = np.arange(rows.shape[1], dtype=np.int64).reshape(vb.shape[:-1] + (1,))
+                operand = self._operand(xb, ob, idx, same, write_back)
+                self.launch(self.spec, [operand], rows[0], rows[1], inverse)
         for temp, out in write_back:
             out[...] = temp
         return results

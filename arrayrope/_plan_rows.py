@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _arrays, _positions
 from ._arrays import NUMPY
-from ._positions import ARRAY, INT, NONE
+from ._positions import ARRAY, INT, LIMIT, NONE
 from ._spec import check_inverse
 from .backends import module as backend_module
 
@@ -52,7 +52,8 @@ def rows_plan(engine, xs, outs, kind, pos, general):
 
 class RowsPlan:
     __slots__ = ("general", "kind", "tables", "rows", "table_source", "table_dtype", "cpu")
-    __slots__ += ("highest_default", "rotate", "run")
+    __slots__ += ("highest_default", "rotate", "run", "launches", "cap", "row_at")
+    __slots__ += ("past_cap",)
 
     def __init__(self, engine, xs, outs, kind, pos, patterns, general, cpu):
         self.general = general
@@ -60,6 +61,11 @@ class RowsPlan:
         self.cpu = cpu
         self.table_source = engine.freq_set(None).tables
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
+        self.cap = self.table_source.cap(self.table_dtype)
+        self.row_at = None  # a decode step's row past the cap (set by _grow once one comes)
+        # Once positions came past the cap, every call takes rows made for it (the cache's
+        # values at any position) without first asking the kernel.
+        self.past_cap = False
         self._set_tables(self.table_source.cached(np, None, self.table_dtype, 0))
         spec = engine.spec
         launches = []
@@ -71,6 +77,7 @@ class RowsPlan:
             launches.append(self._launch(x, out, kind, pos, mode, flatten, default, settings))
         # default positions: each operand its own 0..T-1, the longest read in full
         self.highest_default = max(x.shape[-2] if x.ndim > 1 else 1 for x in xs) - 1
+        self.launches = launches
         self.rotate = launches[0] if len(xs) == 1 else None
         self.run = self._operands(launches) if len(xs) == 2 else self._one(launches[0])
 
@@ -128,6 +135,9 @@ class RowsPlan:
                     inverse = check_inverse(inverse)
                 if seq_len is not None:
                     _positions.seq_len_for(False, seq_len, 0)
+                if plan.past_cap:
+                    outs = None if out is None else (out,)
+                    return plan._past_cap((x,), pos, inverse, outs, seq_len)[0]
                 if kind == INT:
                     if not 0 <= pos < plan.rows:
                         return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
@@ -178,14 +188,17 @@ class RowsPlan:
             def rotate(x, pos, inverse, out, seq_len):
                 if (inverse is not False and inverse is not True) or seq_len is not None:
                     inverse = checked(inverse, seq_len)
+                tables, p = plan.tables, pos
                 if not 0 <= pos < plan.rows:
-                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    if plan.row_at is None or not plan.cap <= pos < LIMIT:
+                        return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    tables, p = plan.row_at(pos), 0
                 result = empty(shape, dtype)
                 if bits is None:
-                    status = kernel(x, result, pos, plan.tables, settings + inverse)
+                    status = kernel(x, result, p, tables, settings + inverse)
                 else:
                     o = result.view(bits)
-                    status = kernel(x.view(bits), o, pos, plan.tables, settings + inverse)
+                    status = kernel(x.view(bits), o, p, tables, settings + inverse)
                 if status:
                     return plan._refused(outside, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return result
@@ -195,10 +208,13 @@ class RowsPlan:
             def rotate(x, pos, inverse, out, seq_len):
                 if (inverse is not False and inverse is not True) or seq_len is not None:
                     inverse = checked(inverse, seq_len)
+                tables, p = plan.tables, pos
                 if not 0 <= pos < plan.rows:
-                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    if plan.row_at is None or not plan.cap <= pos < LIMIT:
+                        return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    tables, p = plan.row_at(pos), 0
                 o = x if bits is None else x.view(bits)
-                if kernel(None, o, pos, plan.tables, settings + inverse):
+                if kernel(None, o, p, tables, settings + inverse):
                     return plan._refused(outside, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return x
 
@@ -207,13 +223,16 @@ class RowsPlan:
             def rotate(x, pos, inverse, out, seq_len):
                 if (inverse is not False and inverse is not True) or seq_len is not None:
                     inverse = checked(inverse, seq_len)
+                tables, p = plan.tables, pos
                 if not 0 <= pos < plan.rows:
-                    return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    if plan.row_at is None or not plan.cap <= pos < LIMIT:
+                        return plan._grow(pos, (x,), pos, inverse, (out,), seq_len)[0]
+                    tables, p = plan.row_at(pos), 0
                 if bits is None:
-                    status = kernel(x, out, pos, plan.tables, settings + inverse)
+                    status = kernel(x, out, p, tables, settings + inverse)
                 else:
                     o = out.view(bits)
-                    status = kernel(x.view(bits), o, pos, plan.tables, settings + inverse)
+                    status = kernel(x.view(bits), o, p, tables, settings + inverse)
                 if status:
                     return plan._refused(status, (x,), pos, pos, inverse, (out,), seq_len)[0]
                 return out
@@ -232,22 +251,20 @@ class RowsPlan:
         tells exactly), default positions against the table by the longest operand's, and
         given positions by the first launch, which reads the same values as the second."""
         plan = self
-        share = np.may_share_memory
 
         def run(xs, pos, inverse, outs, seq_len):
             if inverse is not False and inverse is not True:
                 inverse = check_inverse(inverse)
             if seq_len is not None:
                 _positions.seq_len_for(False, seq_len, 0)
+            if plan.past_cap:
+                return plan._past_cap(xs, pos, inverse, outs, seq_len)
             if plan.kind == INT and not 0 <= pos < plan.rows:
                 return plan._grow(pos, xs, pos, inverse, outs, seq_len)
             if plan.kind == NONE and plan.highest_default >= plan.rows:
                 return plan._grow(plan.highest_default, xs, pos, inverse, outs, seq_len)
-            if outs is not None:
-                for i, out in enumerate(outs):
-                    for other in xs + outs[i + 1 :]:
-                        if other is not out and other.size and out.size and share(out, other):
-                            return plan.general.run(xs, pos, inverse, outs, seq_len)
+            if outs is not None and plan._may_share(xs, outs):
+                return plan.general.run(xs, pos, inverse, outs, seq_len)
             tables = plan.tables
             results = []
             for t, launch in enumerate(launches):
@@ -263,16 +280,56 @@ class RowsPlan:
 
         return run
 
+    @staticmethod
+    def _may_share(xs, outs):
+        """Whether an out might share memory with an operand or the other out, short of being
+        that operand (the general plan tells exactly)."""
+        for i, out in enumerate(outs):
+            for other in xs + outs[i + 1 :]:
+                if other is not out and other.size and out.size and np.may_share_memory(out, other):
+                    return True
+        return False
+
     def _grow(self, high, xs, pos, inverse, outs, seq_len):
-        """A position past the cached rows: grow the cache to it, or (past its cap) rotate with
-        exact rows through the general plan."""
+        """A position past the cached rows: grow the cache to it, or (past its cap) rotate by
+        rows made for this call."""
         _positions.check_int(high)
         outs = None if outs is None or outs[0] is None else outs
         tables = self.table_source.cached(np, None, self.table_dtype, high)
         if tables is None:
-            return self.general.run(xs, pos, inverse, outs, seq_len)
+            if self.row_at is None and self.kind == INT:
+                self.row_at = self.table_source.row_at(self.table_dtype)
+            self.past_cap = self.kind == ARRAY
+            return self._past_cap(xs, pos, inverse, outs, seq_len)
         self._set_tables(tables)
         return self.run(xs, pos, inverse, outs, seq_len)
+
+    def _past_cap(self, xs, pos, inverse, outs, seq_len):
+        """Positions (checked) past the cache's cap: each operand's rows made for this call
+        from the level tables (``CosSinTables.integer_rows``, the cache's values), and the
+        kernel run on them with its positions numbered 0..R-1."""
+        if len(xs) == 2 and outs is not None and self._may_share(xs, outs):
+            return self.general.run(xs, pos, inverse, outs, seq_len)
+        results = []
+        for t, launch in enumerate(self.launches):
+            out = None if outs is None else outs[t]
+            result, source, o, positions = launch.arguments(xs[t], pos, out)
+            if isinstance(positions, np.ndarray):
+                rows = self.table_source.integer_rows(self.table_dtype, positions[:, None])
+                if rows is None:  # the one check of the values, as the caller passed them
+                    _positions.check_values(np.asarray(pos))
+                    raise AssertionError("arrayrope: positions refused, then accepted")
+                local = _positions.defaults(positions.shape[0]).reshape(-1)
+            else:
+                rows = self.table_source.integer_rows(self.table_dtype, [[positions]])
+                local = 0
+            status = launch.kernel(source, o, local, rows, launch.settings + inverse)
+            if status:
+                if t:  # settled above: only a bug in arrayrope reaches this
+                    raise AssertionError(f"arrayrope: the row kernel refused k ({status})")
+                return self.general.run(xs, pos, inverse, outs, seq_len)
+            results.append(result)
+        return tuple(results)
 
     def _refused(self, status, xs, pos, positions, inverse, outs, seq_len):
         """The kernel wrote nothing: a position outside the table, or out's memory meeting

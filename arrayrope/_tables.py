@@ -7,8 +7,10 @@ for pair j, so one table serves every layout.
 Two kinds of table:
 - the cache: rows 0..N-1, one per (device, dtype), built on first use and grown geometrically
   under a lock, so concurrent callers never see a half-built table and growth is never per call;
-- exact tables: one row per position entry of a call, for real-valued positions and for integer
-  positions past the cache's cap.
+- per-call tables: one row per position entry of a call. Integer positions past the cache's cap
+  take the cache's own values from three small level tables by angle addition
+  (``backends.cpu._angles``), at any position below 2**31 and in memory that does not grow with
+  it; real-valued positions take exact float64 angles.
 """
 
 import threading
@@ -19,6 +21,9 @@ import numpy as np
 # exactly per call instead of growing a table that would dwarf the data it rotates.
 DEFAULT_CACHE_BYTES = 32 << 20
 _MIN_ROWS = 256
+# Per-call rows from the level tables are filled on Numba's threads from this many rows: fewer
+# cost less than a parallel launch.
+PARALLEL_ROWS = 256
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -62,6 +67,7 @@ class CosSinTables:
         self.max_rows = max_rows
         self._tables = {}
         self._on_device = {}  # pair_axis and inv_freq per device, for exact rows there
+        self._levels = None  # the level tables of integer_rows, built on first use
         self._lock = threading.Lock()
 
     def _cap(self, itemsize):
@@ -109,6 +115,62 @@ class CosSinTables:
     def existing(self, device, dtype):
         """The cache as it is, or None: what a call being captured in a CUDA graph may read."""
         return self._tables.get((device, dtype))
+
+    def integer_rows(self, dtype, positions):
+        """cos and sin stacked, shape (2, R, n_pairs) of ``dtype`` on the host, for int64
+        ``positions`` of shape (R, n_axes): the values the cache holds, at any position,
+        from the level tables (about 72 KiB per pair, float64). None where a position is
+        outside [0, 2**31)."""
+        from .backends.cpu import _angles, _config
+
+        found = self._level_arrays()
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        out = np.empty((2, positions.shape[0], self.inv_freq.size), dtype)
+        if positions.shape[0] >= PARALLEL_ROWS and _config.threads_usable():
+            fill = _angles.fill_rows_parallel
+            valid = _config.run_parallel(fill, positions, *found, self.scale, out)
+        else:
+            valid = _angles.serial_entry(out.dtype)(positions, *found, self.scale, out)
+        return out if valid else None
+
+    def row_at(self, dtype):
+        """A function ``m -> rows``: :meth:`integer_rows` of the one position ``m`` (an int in
+        [0, 2**31), checked by the caller) of a one-axis RoPE, shape (2, 1, n_pairs), with
+        as little Python as a decode step affords."""
+        from .backends.cpu import _angles
+
+        _, inv_freq, levels = self._level_arrays()
+        fill = _angles.row_entry(np.dtype(dtype))
+        shape, scale, empty = (2, 1, inv_freq.size), self.scale, np.empty
+
+        def row_at(m):
+            rows = empty(shape, dtype)
+            fill(m, inv_freq, levels, scale, rows)
+            return rows
+
+        return row_at
+
+    def _level_arrays(self):
+        """(pair_axis, inv_freq, level tables) as the fill kernels take them, built once."""
+        found = self._levels
+        if found is None:
+            from .backends.cpu import _angles
+
+            with self._lock:
+                if self._levels is None:
+                    self._levels = (
+                        np.ascontiguousarray(self.pair_axis, dtype=np.int64),
+                        np.ascontiguousarray(self.inv_freq, dtype=np.float64),
+                        _angles.level_tables(self.inv_freq),
+                    )
+                found = self._levels
+        return found
+
+    def level_bytes(self):
+        """The memory of the level tables, built or not."""
+        from .backends.cpu._angles import LEVEL_ROWS
+
+        return 2 * LEVEL_ROWS * self.inv_freq.size * 8
 
     def exact(self, xp, dtype, positions):
         """cos and sin stacked, shape (2, R, n_pairs), for float64 ``positions`` of shape

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from conftest import BF16, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import BF16, bits
 
 import arrayrope as ar
 from arrayrope import RopeTypeError, RopeValueError

@@ -1,0 +1,202 @@
+"""cos/sin rows at any integer position below 2**31, from three small tables by angle addition.
+
+A position m splits into 11-bit digits, m = h * 2**22 + k * 2**11 + l, and so does its angle:
+m * theta = A + B + C with A = h * (theta * 2**22), B = k * (theta * 2**11), C = l * theta, each
+a float64 product. The level tables hold cos and sin of every A, B and C (2048 + 2048 + 512 rows
+per pair, float64), so a row costs two angle additions in float64 and no call of cos or sin.
+
+What the tables give is the rotation by A + B + C, the exact sum; the cache's rows are rotations
+by phi = fl(m * theta), the float64 product, which differs from it by delta, up to about one
+float64 ulp of phi (5e-7 rad at 2**31 for theta = 1, four float32 ulps of a cosine). delta is
+computed exactly ((phi - A) - B) - C: each subtraction takes two floats within a factor of two
+of each other (Sterbenz), and folded in with cos(delta) = 1 - delta**2 / 2, sin(delta) = delta
+(the terms left out are below 1e-19). A row is then phi's cos and sin to a few float64 ulps,
+and rounded once to the table dtype: the cache's own values, at every position.
+"""
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._config import DISK_CACHE
+
+DIGIT_BITS = 11
+DIGIT = 1 << DIGIT_BITS  # rows of the two lower levels
+TOP = 1 << (31 - 2 * DIGIT_BITS)  # rows of the top level: positions below 2**31
+MID_ROW, TOP_ROW = DIGIT, 2 * DIGIT  # where each level starts in the stacked table
+LEVEL_ROWS = 2 * DIGIT + TOP
+LIMIT = 1 << 31
+
+
+def level_tables(inv_freq):
+    """cos and sin of the three levels' angles, stacked: float64 of shape (2, LEVEL_ROWS,
+    n_pairs), rows [0, DIGIT) for l * theta, [MID_ROW, TOP_ROW) for k * theta * 2**11 and
+    [TOP_ROW, LEVEL_ROWS) for h * theta * 2**22 (the products the kernel forms again)."""
+    inv_freq = np.asarray(inv_freq, dtype=np.float64)
+    digits = np.arange(DIGIT, dtype=np.float64)
+    angles = np.concatenate(
+        [
+            np.multiply.outer(digits, inv_freq),
+            np.multiply.outer(digits, inv_freq * DIGIT),
+            np.multiply.outer(digits[:TOP], inv_freq * (DIGIT * DIGIT)),
+        ]
+    )
+    return np.ascontiguousarray(np.stack((np.cos(angles), np.sin(angles))))
+
+
+@njit(inline="always")
+def _correct(c, s, delta, exact):
+    """cos and sin of angle + delta from those of the angle: to second order where ``exact``
+    (float64 tables), to first order otherwise (delta**2 / 2 is below 2**-42, far under a
+    float32 ulp)."""
+    if exact:
+        half = 0.5 * delta * delta
+        return c - (s * delta + c * half), s + (c * delta - s * half)
+    return c - s * delta, s + c * delta
+
+
+@njit(inline="always")
+def _row(m, j0, j1, inv_freq, levels, scale, out, r, exact):
+    """Pairs j0..j1-1 of row r of ``out``, all at position m. The arrays are indexed whole,
+    with unsigned indices: a row view would cost a reference count, and a signed index a
+    wraparound test, more than the pairs of a row."""
+    h = np.uint64(m >> (2 * DIGIT_BITS))
+    k = np.uint64((m >> DIGIT_BITS) & (DIGIT - 1))
+    low = np.uint64(m & (DIGIT - 1))
+    fm, fk, fl = np.float64(m), np.float64(k), np.float64(low)
+    mid = k + np.uint64(MID_ROW)
+    cos, sin = np.uint64(0), np.uint64(1)
+    if h == 0:  # positions below 2**22: one angle addition
+        for jj in range(j0, j1):
+            j = np.uint64(jj)
+            theta = inv_freq[j]
+            c2, s2 = levels[cos, mid, j], levels[sin, mid, j]
+            c3, s3 = levels[cos, low, j], levels[sin, low, j]
+            c = c2 * c3 - s2 * s3
+            s = s2 * c3 + c2 * s3
+            delta = (fm * theta - fk * (theta * DIGIT)) - fl * theta
+            c, s = _correct(c, s, delta, exact)
+            out[cos, r, j] = c * scale
+            out[sin, r, j] = s * scale
+    else:
+        fh = np.float64(h)
+        top = h + np.uint64(TOP_ROW)
+        for jj in range(j0, j1):
+            j = np.uint64(jj)
+            theta = inv_freq[j]
+            c1, s1 = levels[cos, top, j], levels[sin, top, j]
+            c2, s2 = levels[cos, mid, j], levels[sin, mid, j]
+            c3, s3 = levels[cos, low, j], levels[sin, low, j]
+            c12 = c1 * c2 - s1 * s2
+            s12 = s1 * c2 + c1 * s2
+            c = c12 * c3 - s12 * s3
+            s = s12 * c3 + c12 * s3
+            a = fh * (theta * (DIGIT * DIGIT))
+            delta = ((fm * theta - a) - fk * (theta * DIGIT)) - fl * theta
+            c, s = _correct(c, s, delta, exact)
+            out[cos, r, j] = c * scale
+            out[sin, r, j] = s * scale
+
+
+def _float64(out):
+    """Whether ``out`` holds float64: a compile-time constant in the kernels."""
+
+
+@overload(_float64)
+def _float64_impl(out):
+    exact = out.dtype == types.float64
+    return lambda out: exact
+
+
+@njit(inline="always")
+def _fill(positions, r, pair_axis, inv_freq, levels, scale, out):
+    exact = _float64(out)
+    n = inv_freq.shape[0]
+    row = np.uint64(r)
+    if positions.shape[1] == 1:  # one position per row: the pairs' loop is a vector loop
+        _row(positions[row, 0], 0, n, inv_freq, levels, scale, out, row, exact)
+    else:
+        for j in range(n):
+            m = positions[row, pair_axis[np.uint64(j)]]
+            _row(m, j, j + 1, inv_freq, levels, scale, out, row, exact)
+
+
+@njit(inline="always")
+def _valid(positions):
+    """Whether every position is in [0, 2**31)."""
+    for r in range(positions.shape[0]):
+        for a in range(positions.shape[1]):
+            if not 0 <= positions[r, a] < LIMIT:
+                return False
+    return True
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def fill_rows(positions, pair_axis, inv_freq, levels, scale, out):
+    """``out[0, r, j]`` and ``out[1, r, j]``: ``scale`` times the cos and sin of the angle
+    ``positions[r, pair_axis[j]] * inv_freq[j]``, rounded once to out's dtype, for int64
+    ``positions`` of shape (R, n_axes). False, with nothing written, where a position is
+    outside [0, 2**31)."""
+    if not _valid(positions):
+        return False
+    for r in range(positions.shape[0]):
+        _fill(positions, r, pair_axis, inv_freq, levels, scale, out)
+    return True
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def fill_rows_parallel(positions, pair_axis, inv_freq, levels, scale, out):
+    """:func:`fill_rows` on Numba's threads, for many rows."""
+    if not _valid(positions):
+        return False
+    for r in prange(positions.shape[0]):
+        _fill(positions, np.int64(r), pair_axis, inv_freq, levels, scale, out)
+    return True
+
+
+_serial_entries = {}
+
+
+def serial_entry(dtype):
+    """:func:`fill_rows`'s compiled entry point for tables of ``dtype`` (C-order arrays of the
+    documented dtypes): a call skips the dispatcher's type resolution, which costs more than
+    a decode step's row."""
+    found = _serial_entries.get(dtype)
+    if found is None:
+        c = types.Array
+        signature = (
+            c(types.int64, 2, "C"),
+            c(types.int64, 1, "C"),
+            c(types.float64, 1, "C"),
+            c(types.float64, 3, "C"),
+            types.float64,
+            c(numba.from_dtype(dtype), 3, "C"),
+        )
+        found = _serial_entries.setdefault(dtype, fill_rows.compile(signature))
+    return found
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def fill_row_at(m, inv_freq, levels, scale, out):
+    """:func:`fill_rows` for one position ``m`` of a one-axis RoPE, into row 0 of ``out``."""
+    _row(m, 0, inv_freq.shape[0], inv_freq, levels, scale, out, np.uint64(0), _float64(out))
+
+
+_row_entries = {}
+
+
+def row_entry(dtype):
+    """:func:`fill_row_at`'s compiled entry point for tables of ``dtype``."""
+    found = _row_entries.get(dtype)
+    if found is None:
+        c = types.Array
+        signature = (
+            types.int64,
+            c(types.float64, 1, "C"),
+            c(types.float64, 3, "C"),
+            types.float64,
+            c(numba.from_dtype(dtype), 3, "C"),
+        )
+        found = _row_entries.setdefault(dtype, fill_row_at.compile(signature))
+    return found

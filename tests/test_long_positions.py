@@ -1,0 +1,193 @@
+"""Positions past the cos/sin cache, up to 2**31 - 1: rows from the level tables by angle
+addition, on every route (decode steps, batches of rows, the general kernels, blocks of
+positions), judged by the float64 oracle and by the cache's own values."""
+
+import numpy as np
+import pytest
+from conftest import DTYPES, assert_matches, bits, oracle, poisoned, random_array
+from hypothesis import given
+from hypothesis import strategies as st
+
+import arrayrope as ar
+from arrayrope import _plan
+from arrayrope.backends.cpu import _config
+from arrayrope.backends.cpu._angles import DIGIT, LEVEL_ROWS
+from arrayrope.scaling import Linear, Llama3, YaRN
+
+# digit edges of the level tables, the top of the range, and anything between
+EDGES = [0, 1, DIGIT - 1, DIGIT, DIGIT**2 - 1, DIGIT**2, DIGIT**2 + DIGIT - 1, 2**31 - 1]
+large_positions = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**31 - 1))
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of a few positions, so that small arrays cross many block edges."""
+    monkeypatch.setattr(_plan, "BLOCK_BYTES", 256)
+
+
+def _ulps(a, b, dtype):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b) / float(np.finfo(dtype).eps)
+
+
+rules = st.sampled_from([None, Linear(4.0), YaRN(8.0, 4096), Llama3(8.0, 1.0, 4.0, 8192)])
+
+
+@given(
+    st.lists(large_positions, min_size=1, max_size=12),
+    st.sampled_from([8, 64, 80, 128]),
+    rules,
+    st.sampled_from([np.float32, np.float64]),
+)
+def test_level_rows_are_the_cache_values_at_any_position(positions, rotary_dim, rule, dtype):
+    rope = ar.RoPE(rotary_dim, style="half", scaling=rule)
+    tables = rope._default.tables
+    values = np.array(positions, np.int64)[:, None]
+    rows = tables.integer_rows(dtype, values)
+    exact = tables.exact(np, dtype, values.astype(np.float64))  # numpy's cos of fl(m * theta)
+    assert rows.shape == exact.shape == (2, len(positions), rotary_dim // 2)
+    assert rows.dtype == dtype
+    # rounded once from a float64 value a few float64 ulps from numpy's: float32 agrees to
+    # the bit but where the two sit on either side of a rounding boundary
+    assert _ulps(rows, exact, dtype).max() <= (1 if dtype == np.float32 else 8)
+
+
+def test_level_rows_refuse_positions_outside_the_range():
+    tables = ar.RoPE(16)._default.tables
+    for bad in (-1, 2**31, -(2**40)):
+        assert tables.integer_rows(np.float32, np.array([[5], [bad]])) is None
+    assert tables.level_bytes() == 2 * LEVEL_ROWS * 8 * 8  # 8 pairs, float64
+
+
+def test_level_rows_of_a_multi_axis_rope():
+    rope = ar.RoPE.axial((8, 12, 12))
+    tables = rope._default.tables
+    values = np.array([[0, 2**31 - 1, 5], [DIGIT**2, DIGIT, 70000], [3, 4, 2**30]], np.int64)
+    rows = tables.integer_rows(np.float32, values)
+    exact = tables.exact(np, np.float32, values.astype(np.float64))
+    assert _ulps(rows, exact, np.float32).max() <= 1
+
+
+@given(
+    large_positions,
+    st.sampled_from(DTYPES),
+    st.sampled_from(["interleaved", "half"]),
+    st.sampled_from([64, 16]),
+    st.sampled_from(["fresh", "out", "in place"]),
+    st.booleans(),
+)
+def test_decode_steps_past_the_cache(pos, dtype, style, rotary_dim, mode, inverse):
+    rng = np.random.default_rng(pos)
+    rope = ar.RoPE(64, style=style, rotary_dim=rotary_dim)
+    x = random_array(rng, (1, 4, 1, 64), dtype)
+    want = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+    for _ in range(2):  # the first call past the cap, then the plan's own route for it
+        if mode == "fresh":
+            got = rope.rotate(x, pos, inverse=inverse)
+        elif mode == "out":
+            got = poisoned(x.shape, x.dtype)
+            assert rope.rotate(x, pos, inverse=inverse, out=got) is got
+        else:
+            got = x.copy()
+            rope.rotate(got, pos, inverse=inverse, out=got)
+        assert_matches(got, want, x)
+        np.testing.assert_array_equal(bits(got[..., rotary_dim:]), bits(x[..., rotary_dim:]))
+
+
+@given(
+    st.lists(large_positions, min_size=1, max_size=6),
+    st.sampled_from(DTYPES),
+    st.sampled_from(["interleaved", "half"]),
+    st.integers(0, 2**32 - 1),
+)
+def test_batches_of_rows_past_the_cache(positions, dtype, style, seed):
+    rng = np.random.default_rng(seed)
+    rope = ar.RoPE(32, style=style)
+    pos = np.array(positions)[:, None, None]  # one position per sequence: (B, 1, 1)
+    q = random_array(rng, (len(positions), 4, 1, 32), dtype)
+    k = random_array(rng, (len(positions), 2, 1, 32), dtype)
+    for _ in range(2):
+        q_rot, k_rot = rope.rotate_qk(q, k, pos)
+        assert_matches(q_rot, oracle(q, pos, style=style), q)
+        assert_matches(k_rot, oracle(k, pos, style=style), k)
+        assert_matches(rope.rotate(q, pos), oracle(q, pos, style=style), q)
+    # after positions past the cap, bad ones are still refused, with nothing written
+    out = poisoned(q.shape, q.dtype)
+    with pytest.raises(ar.RopeValueError, match="non-negative"):
+        rope.rotate(q, -pos - 1, out=out)
+    assert np.isnan(out.astype(np.float64)).all()
+    with pytest.raises(ar.RopeValueError, match="below 2\\*\\*31"):
+        rope.rotate(q, pos + 2**31)
+
+
+LAYOUTS = [
+    # (x's shape, positions' shape): (B, H, T, d) with (T,) and (B, 1, T); (B, T, H, d) with
+    # (T, 1); packed (N, H, d) with (N, 1)
+    ((2, 3, 40, 16), (40,)),
+    ((2, 3, 40, 16), (2, 1, 40)),
+    ((2, 40, 3, 16), (40, 1)),
+    ((70, 3, 16), (70, 1)),
+]
+
+
+@pytest.mark.usefixtures("small_blocks")
+@given(
+    st.sampled_from(LAYOUTS),
+    st.sampled_from(DTYPES),
+    st.sampled_from(["interleaved", "half"]),
+    st.sampled_from([16, 10]),
+    st.sampled_from(["fresh", "out", "in place"]),
+    st.integers(0, 2**32 - 1),
+)
+def test_blocks_of_positions_past_the_cache(layout, dtype, style, rotary_dim, mode, seed):
+    shape, pos_shape = layout
+    rng = np.random.default_rng(seed)
+    rope = ar.RoPE(16, style=style, rotary_dim=rotary_dim, max_positions=8)  # cap: 8 rows
+    x = random_array(rng, shape, dtype)
+    pos = rng.integers(0, 2**31, size=pos_shape)
+    pos.flat[0] = 2**31 - 1
+    want = oracle(x, pos, style=style, rotary_dim=rotary_dim)
+    with _config.override(small_below=0):  # the general kernels, not the row kernel
+        if mode == "fresh":
+            got = rope.rotate(x, pos)
+        elif mode == "out":
+            got = poisoned(x.shape, x.dtype)
+            rope.rotate(x, pos, out=got)
+        else:
+            got = x.copy()
+            rope.rotate(got, pos, out=got)
+    assert_matches(got, want, x)
+    reference = rope.rotate(x, pos.astype(np.float64), backend="numpy")  # exact float64 angles
+    assert_matches(got, reference.astype(np.float64), x)
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_blocks_match_one_call_bit_for_bit(monkeypatch, rng):
+    rope = ar.RoPE(64, style="half", max_positions=100)
+    q = rng.standard_normal((2, 8, 300, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(np.float32)
+    # positions 0..299, past the cap of 100 rows, in blocks of two positions
+    blocked = rope.rotate_qk(q, k)
+    single = rope.rotate(q[:, :, ::-1].copy(), np.arange(300)[::-1].copy())[:, :, ::-1]
+    monkeypatch.setattr(_plan, "BLOCK_BYTES", 1 << 30)
+    whole = rope.rotate_qk(q, k)
+    np.testing.assert_array_equal(bits(blocked[0]), bits(whole[0]))
+    np.testing.assert_array_equal(bits(blocked[1]), bits(whole[1]))
+    np.testing.assert_array_equal(bits(blocked[0]), bits(single))
+    # strided views, a layout the kernels reach through a temporary, and in place
+    view = q[:, ::2, :, ::-1]
+    want = oracle(view, np.arange(300), style="half")
+    assert_matches(rope.rotate(view, np.arange(300)), want, view)
+    inplace = q.copy()
+    rope.rotate(inplace, out=inplace)
+    np.testing.assert_array_equal(bits(inplace), bits(whole[0]))
+
+
+def test_the_level_tables_are_bounded_whatever_the_position():
+    rope = ar.RoPE(128)
+    x = np.ones((1, 1, 1, 128), np.float32)
+    for pos in (10**5, 10**7, 2**31 - 1):
+        rope.rotate(x, pos)
+    tables = rope._default.tables
+    assert tables.level_bytes() <= 5 << 20  # 64 pairs
+    assert sum(t.nbytes for t in tables._tables.values()) <= 32 << 20
