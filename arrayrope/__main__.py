@@ -1,7 +1,7 @@
-"""``python -m arrayrope warmup``: compile the common kernels into the disk cache."""
+"""``python -m arrayrope``: see ``python -m arrayrope --help``."""
 
 import sys
 
-from ._warmup import main
+from ._cli import main
 
 sys.exit(main())

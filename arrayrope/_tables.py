@@ -1,29 +1,33 @@
 """cos/sin tables for one set of pair frequencies.
 
 A table row p holds ``scale * cos(p * inv_freq[j])`` and ``scale * sin(...)`` for every rotated
-pair j. Rows are indexed by integer position; a multi-axis RoPE reads row ``pos[axis_of_pair[j]]``
-for pair j, so one table serves every layout.
+pair j, of the float64 angle, rounded once to the table's dtype. Rows are indexed by integer
+position; a multi-axis RoPE reads row ``pos[axis_of_pair[j]]`` for pair j, so one table serves
+every layout.
 
 Two kinds of table:
 - the cache: rows 0..N-1, one per (device, dtype), built on first use and grown geometrically
   under a lock, so concurrent callers never see a half-built table and growth is never per call;
-- per-call tables: one row per position entry of a call. Integer positions past the cache's cap
-  take the cache's own values from three small level tables by angle addition
-  (``backends.cpu._angles``), at any position below 2**31 and in memory that does not grow with
-  it; real-valued positions take exact float64 angles.
+- per-call tables: one row per position entry of a call, for real-valued positions (from
+  NumPy's cos and sin of the float64 angles) and for integer positions past the cache's cap.
+
+Every integer row, cached or per call, comes from three small level tables by angle addition
+(``backends.cpu._angles``): the same values at any position below 2**31, in memory that does
+not grow with it, with no cos or sin per element.
 """
 
 import threading
 
 import numpy as np
 
-# Default cap on the cached rows: 32 MiB for cos and sin together. Larger positions are computed
-# exactly per call instead of growing a table that would dwarf the data it rotates.
+# Default cap on the cached rows: 32 MiB for cos and sin together. Larger positions take rows
+# made per call from the level tables instead of growing a table that would dwarf the data it
+# rotates.
 DEFAULT_CACHE_BYTES = 32 << 20
 _MIN_ROWS = 256
-# Per-call rows from the level tables are filled on Numba's threads from this many rows: fewer
-# cost less than a parallel launch.
-PARALLEL_ROWS = 256
+# Per-call rows from the level tables are filled on Numba's threads from this many pairs (rows
+# times pairs): fewer cost less than a parallel launch.
+PARALLEL_PAIRS = 1 << 15
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -68,7 +72,7 @@ class CosSinTables:
         self._tables = {}
         self._on_device = {}  # pair_axis and inv_freq per device, for exact rows there
         self._levels = None  # the level tables of integer_rows, built on first use
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the cache, and the level tables it is built from
 
     def _cap(self, itemsize):
         if self.max_rows is not None:
@@ -94,8 +98,8 @@ class CosSinTables:
                 rows = cap  # a stated max_positions is built whole, once
             else:
                 rows = min(cap, max(max_pos + 1, 2 * old, _MIN_ROWS))
-            angles = np.multiply.outer(np.arange(rows, dtype=np.float64), self.inv_freq)
-            tables = _angles_to_tables(np, angles, self.scale, dtype)
+            # the rows that positions past the cap get too: one formula for every integer
+            tables = self._column(dtype, 0, rows)
             if xp is not np:
                 tables = xp.asarray(tables)
             self._tables[key] = tables
@@ -126,12 +130,22 @@ class CosSinTables:
         found = self._level_arrays()
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         out = np.empty((2, positions.shape[0], self.inv_freq.size), dtype)
-        if positions.shape[0] >= PARALLEL_ROWS and _config.threads_usable():
+        if out[0].size >= PARALLEL_PAIRS and _config.threads_usable():
             fill = _angles.fill_rows_parallel
             valid = _config.run_parallel(fill, positions, *found, self.scale, out)
         else:
-            valid = _angles.serial_entry(out.dtype)(positions, *found, self.scale, out)
+            valid = _angles.fill_rows(positions, *found, self.scale, out)
         return out if valid else None
+
+    def _column(self, dtype, first, rows):
+        """The rows of positions first..first+rows-1 (checked by the caller) of a one-axis
+        table, as :meth:`integer_rows` makes them: (2, rows, n_pairs) of ``dtype``."""
+        from .backends.cpu import _angles
+
+        _, inv_freq, levels = self._level_arrays()
+        out = np.empty((2, rows, inv_freq.size), dtype)
+        _angles.column_entry(out.dtype)(first, inv_freq, levels, self.scale, out)
+        return out
 
     def row_at(self, dtype):
         """A function ``m -> rows``: :meth:`integer_rows` of the one position ``m`` (an int in
@@ -140,7 +154,7 @@ class CosSinTables:
         from .backends.cpu import _angles
 
         _, inv_freq, levels = self._level_arrays()
-        fill = _angles.row_entry(np.dtype(dtype))
+        fill = _angles.column_entry(np.dtype(dtype))
         shape, scale, empty = (2, 1, inv_freq.size), self.scale, np.empty
 
         def row_at(m):

@@ -7,7 +7,6 @@ at build time, so that later processes load the kernels from the cache instead.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ def _unaligned(shape, dtype):
 
 def _calls(rope, dtype):
     """(variant, call) pairs: every kernel a decode loop, a prefill and a training step meet."""
+    from ._tables import PARALLEL_PAIRS
     from .backends.cpu._config import CONFIG, STREAMING
 
     rng = np.random.default_rng(0)
@@ -47,6 +47,10 @@ def _calls(rope, dtype):
     large = rng.standard_normal((2, 8, 1024, rope.head_dim)).astype(dtype)
     real = np.arange(16) + 0.5
     odd = _unaligned(chunk.shape, dtype)
+    # enough rows past the cache that they are made on Numba's threads
+    rows = max(16, PARALLEL_PAIRS // (rope.rotary_dim // 2))
+    far = rng.standard_normal((rows, rope.head_dim)).astype(dtype)
+    far_pos = np.arange(rows) + 2**30
     calls = [
         ("decode step, new result", lambda: rope.rotate(step, 5)),
         ("decode step, in place", lambda: rope.rotate(cache[:, :, 0:1], 5, out=cache[:, :, 0:1])),
@@ -57,6 +61,8 @@ def _calls(rope, dtype):
         ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
         ("parallel, in place", lambda: rope.rotate(large, out=large)),
         ("general row loop (unaligned out=)", lambda: rope.rotate(chunk, real, out=odd)),
+        ("positions past the cos/sin cache", lambda: rope.rotate(step, np.array([2**31 - 1]))),
+        ("positions past the cache, parallel rows", lambda: rope.rotate(far, far_pos)),
     ]
     if STREAMING and CONFIG.stream_above <= _STREAMING_UP_TO:
         # a result this large takes streaming stores (16 positions: a small table)
@@ -113,25 +119,3 @@ def _has_ml_dtypes():
     except ImportError:
         return False
     return True
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["warmup"]:
-        print("usage: python -m arrayrope warmup [DTYPE ...]", file=sys.stderr)
-        return 2
-    from .backends.cpu._config import DISK_CACHE
-
-    if not DISK_CACHE:
-        print("the disk cache is off (ARRAYROPE_NUMBA_CACHE=0 or ARRAYROPE_SOFT_F16=1): "
-              "nothing would be kept", file=sys.stderr)  # fmt: skip
-        return 1
-    from ._errors import RopeError
-
-    try:
-        seconds = warmup(tuple(argv[1:]) or None)
-    except RopeError as error:
-        print(f"arrayrope warmup: {error}", file=sys.stderr)
-        return 2
-    print(f"done in {seconds:.1f} s; every process loads these kernels from the cache now")
-    return 0

@@ -77,8 +77,8 @@ class RoPE:
         rest pass through bit-identical (partial rotary: GPT-NeoX, Phi-2).
     max_positions : int, optional
         Build the cache for positions 0..max_positions-1 at once, and never grow it. By default
-        the cache grows geometrically up to 32 MiB of tables. Positions past the cache are
-        computed exactly per call, never refused.
+        the cache grows geometrically up to 32 MiB of tables. Positions past the cache take
+        the same values from the level tables (72 KiB per rotated pair), never refused.
     scaling : a rule from :mod:`arrayrope.scaling`, optional
         Long-context frequency scaling; None is plain RoPE.
 

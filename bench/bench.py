@@ -442,6 +442,16 @@ def main():
         for dtype, points in sweep.items():
             for mib, gbs, copy in points:
                 print(f"  {dtype:9s} {mib:8.2f} MiB  {gbs:6.1f} GB/s  (copy {copy:6.1f} GB/s)")
+        import positions
+
+        lengths = [2**e for e in range(12, (18 if args.quick else 20) + 1)]
+        print("\npast the cos/sin cache (bench/positions.py):")
+        print(
+            positions.report(
+                positions.prefill_sweep(lengths, max(3, repeats // 2)),
+                positions.decode_sweep(rounds),
+            )
+        )
         against = frameworks.framework_rows(repeats=max(3, repeats // 2))
         print("\nagainst other implementations (float32, half style), us per call:")
         for shape, name, seconds in against:

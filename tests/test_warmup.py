@@ -1,4 +1,5 @@
-"""python -m arrayrope warmup and arrayrope.warmup: one line per variant, clean refusals."""
+"""python -m arrayrope (warmup, info) and arrayrope.warmup: one line per variant, clean
+refusals, help as Python tools give it."""
 
 import subprocess
 import sys
@@ -16,7 +17,7 @@ def test_warmup_reports_every_variant():
     from arrayrope.backends.cpu import _parallel, _rows
     from arrayrope.backends.cpu._config import STREAMING
 
-    assert seconds > 0 and len(lines) == 9 + STREAMING
+    assert seconds > 0 and len(lines) == 11 + STREAMING
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
     # every kernel of the general path for a new result and in place (on x86-64: elsewhere
     # results take the general loop only), and the parallel entry point
@@ -27,6 +28,10 @@ def test_warmup_reports_every_variant():
     # in place, the direct path's plain-store kernel takes x itself; the general loop, None
     in_place = str(f32) if STREAMING else "none"
     assert {str(f32), in_place} <= parallel, parallel
+    # rows past the cos/sin cache: one thread and parallel
+    from arrayrope.backends.cpu import _angles
+
+    assert _angles.fill_rows.signatures and _angles.fill_rows_parallel.signatures
     with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
         ar.warmup(("int8",))
 
@@ -46,4 +51,25 @@ def test_the_command():
     bad = [sys.executable, "-m", "arrayrope", "warmup", "float8"]
     refused = subprocess.run(bad, capture_output=True, text=True)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "dtypes must be among" in refused.stderr
+    assert "unknown dtype 'float8'" in refused.stderr
+
+
+def _command(*args):
+    done = subprocess.run(
+        [sys.executable, "-m", "arrayrope", *args], capture_output=True, text=True, timeout=300
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_help_and_info():
+    top = _command("--help")
+    assert top.returncode == 0 and "warmup" in top.stdout and "info" in top.stdout
+    warm = _command("warmup", "--help")
+    assert warm.returncode == 0 and "DTYPE" in warm.stdout and "float32" in warm.stdout
+    info = _command("info")
+    assert info.returncode == 0, info.stderr
+    found = dict(line.split(":", 1) for line in info.stdout.splitlines())
+    assert set(found) >= {"arrayrope", "numba", "cpu", "vector steps", "threads", "kernel cache"}
+    assert found["numba"].strip().startswith(numba.__version__)
+    assert "-byte steps" in found["vector steps"] and "gpu backends" in found

@@ -11,12 +11,25 @@ import numba
 import numpy as np
 
 from .._geometry import flat_view, geometry
-from . import _config
+from . import (
+    _angles,
+    _config,
+    _convert,
+    _decode,
+    _direct,
+    _disk_cache,
+    _gather,
+    _parallel,
+    _rows,
+    _runs,
+)
 from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rows_kernel, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
+
+_disk_cache.guard(_angles, _convert, _decode, _direct, _gather, _parallel, _rows, _runs)
 
 __all__ = [
     "DONE",

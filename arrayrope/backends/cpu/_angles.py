@@ -155,40 +155,24 @@ def fill_rows_parallel(positions, pair_axis, inv_freq, levels, scale, out):
     return True
 
 
-_serial_entries = {}
-
-
-def serial_entry(dtype):
-    """:func:`fill_rows`'s compiled entry point for tables of ``dtype`` (C-order arrays of the
-    documented dtypes): a call skips the dispatcher's type resolution, which costs more than
-    a decode step's row."""
-    found = _serial_entries.get(dtype)
-    if found is None:
-        c = types.Array
-        signature = (
-            c(types.int64, 2, "C"),
-            c(types.int64, 1, "C"),
-            c(types.float64, 1, "C"),
-            c(types.float64, 3, "C"),
-            types.float64,
-            c(numba.from_dtype(dtype), 3, "C"),
-        )
-        found = _serial_entries.setdefault(dtype, fill_rows.compile(signature))
-    return found
-
-
 @njit(cache=DISK_CACHE, nogil=True)
-def fill_row_at(m, inv_freq, levels, scale, out):
-    """:func:`fill_rows` for one position ``m`` of a one-axis RoPE, into row 0 of ``out``."""
-    _row(m, 0, inv_freq.shape[0], inv_freq, levels, scale, out, np.uint64(0), _float64(out))
+def fill_column(first, inv_freq, levels, scale, out):
+    """:func:`fill_rows` of positions first, first + 1, ... (one per row of ``out``) of a
+    one-axis RoPE: the cache's rows, and a decode step's row past it. The caller checks that
+    they are in [0, 2**31)."""
+    exact = _float64(out)
+    n = inv_freq.shape[0]
+    for r in range(out.shape[1]):
+        _row(first + r, 0, n, inv_freq, levels, scale, out, np.uint64(r), exact)
 
 
-_row_entries = {}
+_column_entries = {}
 
 
-def row_entry(dtype):
-    """:func:`fill_row_at`'s compiled entry point for tables of ``dtype``."""
-    found = _row_entries.get(dtype)
+def column_entry(dtype):
+    """:func:`fill_column`'s compiled entry point for tables of ``dtype``: a call skips the
+    dispatcher's type resolution, which costs more than a decode step's row."""
+    found = _column_entries.get(dtype)
     if found is None:
         c = types.Array
         signature = (
@@ -198,5 +182,5 @@ def row_entry(dtype):
             types.float64,
             c(numba.from_dtype(dtype), 3, "C"),
         )
-        found = _row_entries.setdefault(dtype, fill_row_at.compile(signature))
+        found = _column_entries.setdefault(dtype, fill_column.compile(signature))
     return found

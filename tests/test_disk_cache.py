@@ -1,0 +1,63 @@
+"""A damaged kernel cache never stops a call: each damaged entry is dropped with one warning
+naming the folder, the kernel compiles and is saved anew, and the results are right."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CALL = """
+import warnings
+import numpy as np
+import arrayrope as ar
+x = np.arange(2 * 3 * 5 * 8, dtype=np.float32).reshape(2, 3, 5, 8) / 7
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = ar.rotate(x, 9)
+    z = ar.rotate(x.astype(np.float64), np.arange(5), style="half")
+np.save({out!r}, np.concatenate([y.ravel(), z.ravel()]))
+for w in caught:
+    print("WARNING", w.category.__name__, w.message)
+"""
+
+
+def _run(tmp_path, cache):
+    out = tmp_path / "result.npy"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", CALL.format(out=str(out))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return np.load(out), [line for line in done.stdout.splitlines() if line.startswith("WARNING")]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+def test_a_damaged_kernel_cache_is_dropped_and_rebuilt(tmp_path, damage):
+    cache = tmp_path / "cache"
+    expected, warned = _run(tmp_path, cache)
+    assert not warned
+    files = [os.path.join(root, f) for root, _, names in os.walk(cache) for f in names]
+    assert any(f.endswith(".nbi") for f in files) and any(f.endswith(".nbc") for f in files)
+    rng = np.random.default_rng(0)
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            if damage == "truncate":
+                f.truncate(size // 3)
+            else:
+                f.seek(size // 4)
+                f.write(rng.integers(0, 256, max(1, size // 2), dtype=np.uint8).tobytes())
+    got, warned = _run(tmp_path, cache)
+    np.testing.assert_array_equal(got, expected)
+    assert warned, "no warning for a damaged cache"
+    assert all("RuntimeWarning" in w and str(cache) in w for w in warned)
+    assert len({w.split(" in ", 1)[1].split(" ")[0] for w in warned}) == len(warned)  # once each
+    again, warned = _run(tmp_path, cache)  # the entries were saved anew
+    np.testing.assert_array_equal(again, expected)
+    assert not warned
