@@ -264,12 +264,7 @@ class GeneralPlan:
         tables, cos, sin, idxs = self._tables(resolved, seq_len, capture, device)
         if self.family == CUPY:
             idxs, cos, sin = device_rows(xp, device, idxs, cos, sin)
-        if outs is None:
-            results = tuple(xp.empty_like(x) for x in xs)
-            in_place = (False,) * len(xs)
-        else:
-            results = outs
-            in_place = self._overlaps(xs, outs)
+        results, in_place = self._results(xs, outs)
         operands, write_back = [], []
         for x, out, idx, same in zip(xs, results, idxs, in_place):
             if x.size == 0:
@@ -304,12 +299,7 @@ class GeneralPlan:
         along the longest axis of its positions into blocks whose rows take at most
         ``BLOCK_BYTES`` (they are still in cache when the kernel reads them), each block's rows
         filled and rotated in turn. The memory of the rows stays bounded at any length."""
-        if outs is None:
-            results = tuple(np.empty_like(x) for x in xs)
-            in_place = (False,) * len(xs)
-        else:
-            results = outs
-            in_place = self._overlaps(xs, outs)
+        results, in_place = self._results(xs, outs)
         row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
         block_rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
         write_back = []
@@ -335,6 +325,13 @@ class GeneralPlan:
         for temp, out in write_back:
             out[...] = temp
         return results
+
+    def _results(self, xs, outs):
+        """The result arrays (new ones, or ``outs``) and, per operand, whether it is rotated in
+        place (see :meth:`_overlaps`)."""
+        if outs is None:
+            return tuple(self.xp.empty_like(x) for x in xs), (False,) * len(xs)
+        return outs, self._overlaps(xs, outs)
 
     def _check_capturable(self, xs, pos, outs, seq_len):
         """Raise for a call that cannot be captured in a CUDA graph: one that would read the
