@@ -133,6 +133,8 @@ class GeneralPlan:
         self.xp = _arrays.namespace(array_family)
         self.backend = backend
         self.launch = backend_module(backend).launch
+        # the CPU's route for positions past the cache (see _run_filled)
+        self.launch_filled = backend_module(backend).launch_filled if backend == "numba" else None
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         # the reference works on any layout; the kernels address some through temporaries
         self.any_layout = backend == "numpy"
@@ -254,9 +256,12 @@ class GeneralPlan:
                 self._check_capturable(xs, pos, outs, seq_len)
         resolved = self._positions(xs, pos, seq_len)
         if self.family == NUMPY:
-            blocked = self._blocked(xs, resolved, seq_len)
-            if blocked is not None:
-                return self._run_in_blocks(xs, resolved, blocked, inverse, outs)
+            tables = self._past_cap(resolved, seq_len)
+            if tables is not None:
+                results, in_place = self._results(xs, outs)
+                if not self._run_filled(xs, resolved, tables, inverse, results, in_place):
+                    self._run_in_blocks(xs, resolved, tables, inverse, results, in_place)
+                return results
         if resolved[0][2] is None:  # positions the kernel checks: report at exit what is left
             from .backends.cuda._device import arm
 
@@ -279,27 +284,52 @@ class GeneralPlan:
             out[...] = temp
         return results
 
-    def _blocked(self, xs, resolved, seq_len):
-        """The tables of a NumPy call whose integer positions reach past the cache's cap and
-        whose per-call rows would be larger than ``BLOCK_BYTES``, or None: such a call runs in
-        blocks of positions (see :meth:`_run_in_blocks`)."""
+    def _past_cap(self, resolved, seq_len):
+        """The tables of a call whose positions are integers reaching past the cache's cap,
+        or None. Such a NumPy call takes no per-call table as large as itself: it runs filled
+        (:meth:`_run_filled`) or in blocks (:meth:`_run_in_blocks`)."""
         if not all(is_int for _, is_int, _ in resolved):
             return None
         high = max(h for _, _, h in resolved)
         seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
         tables = self.engine.freq_set(seq_len).tables
-        if high < tables.cap(self.table_dtype):
-            return None
-        entries = sum(values.size // values.shape[-1] for values, _, _ in resolved)
-        row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
-        return tables if entries * row_bytes > BLOCK_BYTES else None
+        return tables if high >= tables.cap(self.table_dtype) else None
 
-    def _run_in_blocks(self, xs, resolved, tables, inverse, outs):
-        """Rotate through per-call rows a block of positions at a time: each operand split
-        along the longest axis of its positions into blocks whose rows take at most
-        ``BLOCK_BYTES`` (they are still in cache when the kernel reads them), each block's rows
-        filled and rotated in turn. The memory of the rows stays bounded at any length."""
-        results, in_place = self._results(xs, outs)
+    def _run_filled(self, xs, resolved, tables, inverse, results, in_place):
+        """Rotate into ``results`` by the CPU's direct path with each position's row filled
+        from the level tables inside the kernel (``cpu.launch_filled``): no per-call rows, and
+        each row made once per run of rows at its position. The leading axes along which the
+        positions broadcast (heads, mostly) go innermost, so that a position's rows are
+        adjacent. False, with nothing written, where that path cannot take the call (a
+        multi-axis RoPE, another backend, a layout the direct path refuses)."""
+        if self.launch_filled is None or self.spec.n_axes != 1:
+            return False
+        operands, write_back = [], []
+        for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):
+            if x.size == 0:
+                continue
+            x, out, idx = self._operand(x, out, values, same, write_back)
+            lead = range(x.ndim - 1)
+            inner = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
+            order = [a for a in lead if a not in inner] + inner + [x.ndim - 1]
+            moved = x.transpose(order)
+            out = moved if out is x else out.transpose(order)
+            operands.append((moved, out, idx.transpose(order)))
+        if not operands:
+            return True
+        _, inv_freq, levels = tables._level_arrays()
+        args = (levels, inv_freq, tables.scale, self.table_dtype, inverse)
+        if not self.launch_filled(self.spec, operands, *args):
+            return False
+        for temp, out in write_back:
+            out[...] = temp
+        return True
+
+    def _run_in_blocks(self, xs, resolved, tables, inverse, results, in_place):
+        """Rotate into ``results`` through per-call rows a block of positions at a time: each
+        operand split along the longest axis of its positions into blocks whose rows take at
+        most ``BLOCK_BYTES`` (they are still in cache when the kernel reads them), each block's
+        rows filled and rotated in turn. The memory of the rows stays bounded at any length."""
         row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
         block_rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
         write_back = []
@@ -324,7 +354,6 @@ class GeneralPlan:
                 self.launch(self.spec, [operand], rows[0], rows[1], inverse)
         for temp, out in write_back:
             out[...] = temp
-        return results
 
     def _results(self, xs, outs):
         """The result arrays (new ones, or ``outs``) and, per operand, whether it is rotated in

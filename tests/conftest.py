@@ -42,6 +42,7 @@ def run_launcher(launch, rope, xs, pos=None, *, inverse=False, outs=None, xp=np)
     kind, value = _positions.resolve(pos, rope.n_axes)
     plan = _plan.GeneralPlan(rope._engine, xs, outs, kind, "numba", _arrays.family(xs[0]))
     plan.launch = launch
+    plan.launch_filled = None  # positions past the cache, too, through ``launch``
     return plan.run(tuple(xs), value, inverse, outs, None)
 
 

@@ -5,7 +5,7 @@ positions), judged by the float64 oracle and by the cache's own values."""
 import numpy as np
 import pytest
 from conftest import DTYPES, assert_matches, bits, oracle, poisoned, random_array
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayrope as ar
@@ -130,35 +130,83 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(params=["filled", "blocks"])
+def route(request, monkeypatch):
+    """Large calls past the cap: rows filled inside the direct path's kernel, or (multi-axis
+    RoPEs, layouts the direct path refuses) per-call rows a block of positions at a time.
+    Yields what each call of the filled route returned, or None for the blocks."""
+    calls = []
+    filled = _plan.GeneralPlan._run_filled
+    if request.param == "blocks":
+        monkeypatch.setattr(_plan.GeneralPlan, "_run_filled", lambda *args: False)
+        return None
+    else:
+
+        def counted(*args):
+            calls.append(filled(*args))
+            return calls[-1]
+
+        monkeypatch.setattr(_plan.GeneralPlan, "_run_filled", counted)
+    return calls
+
+
+# (serial_below, stream_above): one thread or parallel tasks (split inside runs of rows at one
+# position), plain or streaming stores
+THREADS_AND_STORES = [(1 << 40, 1 << 40), (0, 1 << 40), (0, 0)]
+
+
 @pytest.mark.usefixtures("small_blocks")
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # route: reset per example
 @given(
     st.sampled_from(LAYOUTS),
     st.sampled_from(DTYPES),
     st.sampled_from(["interleaved", "half"]),
     st.sampled_from([16, 10]),
-    st.sampled_from(["fresh", "out", "in place"]),
+    st.sampled_from(["fresh", "out", "in place", "rotate_qk"]),
+    st.sampled_from(THREADS_AND_STORES),
+    st.booleans(),
     st.integers(0, 2**32 - 1),
 )
-def test_blocks_of_positions_past_the_cache(layout, dtype, style, rotary_dim, mode, seed):
+def test_large_calls_past_the_cache(
+    route, layout, dtype, style, rotary_dim, mode, config, inverse, seed
+):
     shape, pos_shape = layout
     rng = np.random.default_rng(seed)
     rope = ar.RoPE(16, style=style, rotary_dim=rotary_dim, max_positions=8)  # cap: 8 rows
     x = random_array(rng, shape, dtype)
+    k = random_array(rng, shape, dtype)
     pos = rng.integers(0, 2**31, size=pos_shape)
     pos.flat[0] = 2**31 - 1
-    want = oracle(x, pos, style=style, rotary_dim=rotary_dim)
-    with _config.override(small_below=0):  # the general kernels, not the row kernel
+    want = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+    serial_below, stream_above = config
+    if route is not None:
+        del route[:]
+    # the general kernels, not the row kernel
+    with _config.override(small_below=0, serial_below=serial_below, stream_above=stream_above):
         if mode == "fresh":
-            got = rope.rotate(x, pos)
+            got = rope.rotate(x, pos, inverse=inverse)
         elif mode == "out":
             got = poisoned(x.shape, x.dtype)
-            rope.rotate(x, pos, out=got)
+            rope.rotate(x, pos, inverse=inverse, out=got)
+        elif mode == "rotate_qk":
+            got, k_got = poisoned(x.shape, x.dtype), poisoned(k.shape, k.dtype)
+            rope.rotate_qk(x, k, pos, inverse=inverse, out=(got, k_got))
+            k_want = oracle(k, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+            assert_matches(k_got, k_want, k)
         else:
             got = x.copy()
-            rope.rotate(got, pos, out=got)
+            rope.rotate(got, pos, inverse=inverse, out=got)
     assert_matches(got, want, x)
-    reference = rope.rotate(x, pos.astype(np.float64), backend="numpy")  # exact float64 angles
-    assert_matches(got, reference.astype(np.float64), x)
+    reference = rope.rotate(x, pos.astype(np.float64), inverse=inverse, backend="numpy")
+    assert_matches(got, reference.astype(np.float64), x)  # exact float64 angles
+    # the filled route takes every layout here whose rows the direct path stores
+    direct = (
+        _config.STREAMING
+        and (rotary_dim if style == "interleaved" else rotary_dim // 2) * (x.itemsize) % 16 == 0
+        and (16 - rotary_dim) * x.itemsize % 16 == 0
+    )
+    if route is not None:
+        assert route == [direct]
 
 
 @pytest.mark.usefixtures("small_blocks")

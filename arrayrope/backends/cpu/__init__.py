@@ -27,7 +27,7 @@ from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rows_kernel, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
-from ._rows import DIRECT, KERNELS, SCRATCH, VECTOR
+from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, VECTOR
 
 _disk_cache.guard(_angles, _convert, _decode, _direct, _gather, _parallel, _rows, _runs)
 
@@ -36,6 +36,7 @@ __all__ = [
     "POSITION_OUTSIDE_TABLE",
     "SPANS_OVERLAP",
     "launch",
+    "launch_filled",
     "rows_entry",
     "settings",
     "small_below",
@@ -65,7 +66,6 @@ def launch(spec, operands, cos, sin, inverse):
     (see ``_arrays.addressable``), ``out is x`` for in place; idx int64 of shape (L axes of
     size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
     """
-    config = _config.CONFIG
     segments = spec.segments
     if segments.shape[0] > 1:
         if operands[0][2].shape[-1] == 1:
@@ -76,16 +76,58 @@ def launch(spec, operands, cos, sin, inverse):
             operands, cos, sin = per_entry(spec.pair_axis, operands, cos, sin)
             segments = ONE_RUN[spec.rotary_dim // 2]
     g = geometry(operands, flat=True)
-    size = operands[0][0].size + (operands[1][0].size if len(operands) == 2 else 0)
     d = operands[0][0].shape[-1]
+    stream = _stream(spec, operands, segments, cos, sin)
+    copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
+    args = _flat_operands(operands, stream) + (g, cos, sin, segments)
+    args += (spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
+    rows = _rows_of(operands)
+    parallel = _parallel_launch(operands)
+    scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
+    _run(KERNELS[stream], args, scratch, rows, parallel)
+    return stream
+
+
+def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
+    """Rotate one or two operands (as :func:`launch`) by the direct path with each position's
+    row filled from the level tables (see ``_angles``) in the kernel, once per run of rows at
+    that position, into a one-row block per task: no per-call table. ``operands`` hold
+    (x, out, positions) with positions as launch's idx, int64 in [0, 2**31), one axis; the
+    caller orders the leading axes so that rows at one position are adjacent. Returns the way
+    results were stored (DIRECT or VECTOR), or 0, with nothing written, where the direct path
+    cannot take the operands."""
+    row = np.empty((2, 1, inv_freq.size), dtype)
+    segments = spec.segments
+    if not STREAMING or not direct_path(spec, operands, segments, row[0], row[1]):
+        return 0
+    g = geometry(operands, flat=True)
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    stream = 0
-    if STREAMING:
-        large = written > 0 and written >= config.stream_above
-        if (large or config.vector_rows) and direct_path(spec, operands, segments, cos, sin):
-            stream = DIRECT if large else VECTOR
-        elif large:
-            stream = SCRATCH
+    stream = DIRECT if written > 0 and written >= _config.CONFIG.stream_above else VECTOR
+    args = _flat_operands(operands, stream) + (g, levels, inv_freq, segments)
+    args += (spec.rotary_dim, operands[0][0].shape[-1], spec.half_style, inverse, scale)
+    rows = _rows_of(operands)
+    parallel = _parallel_launch(operands)
+    tasks = scratch_blocks(None if parallel else 1, rows, 1, dtype, False).shape[0]
+    _run(FILLED_KERNELS[stream], args, np.empty((tasks,) + row.shape, dtype), rows, parallel)
+    return stream
+
+
+def _stream(spec, operands, segments, cos, sin):
+    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT or VECTOR."""
+    config = _config.CONFIG
+    if not STREAMING:
+        return 0
+    written = sum(out.nbytes for x, out, _ in operands if out is not x)
+    large = written > 0 and written >= config.stream_above
+    if (large or config.vector_rows) and direct_path(spec, operands, segments, cos, sin):
+        return DIRECT if large else VECTOR
+    return SCRATCH if large else 0
+
+
+def _flat_operands(operands, stream):
+    """The kernels' (x, out, idx) arguments of both operands: flat views, the 2-byte dtypes as
+    their bits, None for x in place (see below); one operand passed twice (the second has
+    zero rows in the geometry)."""
     args = []
     for x, out, idx in operands:
         xf = flat_view(x)[0]
@@ -101,19 +143,23 @@ def launch(spec, operands, cos, sin, inverse):
         # keeps an in-place operand of rotate_qk on plain stores by it.)
         shared = out is x and stream == VECTOR
         args += (None if out is x and not shared else xf, of, flat_view(idx)[0])
-    if len(operands) == 1:
-        args += args  # the second operand has zero rows in g
-    copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
-    args += (g, cos, sin, segments, spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
-    rows = size // d if d else 0
-    kernel = KERNELS[stream]
-    parallel = size >= config.serial_below and threads_usable()
-    scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
+    return tuple(args + args if len(operands) == 1 else args)
+
+
+def _rows_of(operands):
+    return sum(x.size // x.shape[-1] for x, _, _ in operands if x.shape[-1])
+
+
+def _parallel_launch(operands):
+    size = sum(x.size for x, _, _ in operands)
+    return size >= _config.CONFIG.serial_below and threads_usable()
+
+
+def _run(kernel, args, scratch, rows, parallel):
     if parallel:
-        launch_parallel(kernel, tuple(args), scratch, rows)
+        launch_parallel(kernel, args, scratch, rows)
     else:
         kernel(*args, scratch[0], 0, rows)
-    return stream
 
 
 def direct_path(spec, operands, segments, cos, sin):

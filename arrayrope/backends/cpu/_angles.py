@@ -122,6 +122,36 @@ def _fill(positions, r, pair_axis, inv_freq, levels, scale, out):
             _row(m, j, j + 1, inv_freq, levels, scale, out, row, exact)
 
 
+def filling(source):
+    """Whether ``source`` is a row source for :func:`fill_row`, not None: a compile-time
+    constant in the kernels."""
+
+
+@overload(filling)
+def _filling_impl(source):
+    found = not isinstance(source, types.NoneType)
+    return lambda source: found
+
+
+def fill_row(source, m):
+    """Row 0 of ``buf`` from ``source = (levels, inv_freq, scale, buf)``: the row of position m
+    (in [0, 2**31), checked by the caller), as :func:`fill_rows` makes it; buf of shape
+    (2, 1, n_pairs). Nothing where ``source`` is None."""
+
+
+@overload(fill_row)
+def _fill_row_impl(source, m):
+    if isinstance(source, types.NoneType):
+        return lambda source, m: None
+
+    def fill(source, m):
+        levels, inv_freq, scale, buf = source
+        n = inv_freq.shape[0]
+        _row(m, 0, n, inv_freq, levels, scale, buf, np.uint64(0), _float64(buf))
+
+    return fill
+
+
 @njit(inline="always")
 def _valid(positions):
     """Whether every position is in [0, 2**31)."""

@@ -11,6 +11,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ._angles import fill_row, filling
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._runs import run_start
 from ._simd import address, copy_16, half_step, pair_step, store_fence
@@ -33,10 +34,14 @@ def _same_impl(x, o):
 def _direct_runs_for(nontemporal, in_place_runs=None):
     """The direct path's loop over rows first..stop-1 of one operand (``g``: its geometry
     block), rotated straight into o with streaming stores or (``nontemporal`` False) plain ones:
-    a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv)`` for
-    Numba. In place, x is o (the tail past rotary_dim is then left as it is), or None for an
-    in-place operand of rotate_qk beside one whose result streams: that operand's lines are read
-    before they are written, so it goes to ``in_place_runs`` (the plain-store loop) with x as o.
+    a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv,
+    source)`` for Numba. ``source`` None: idx holds table rows of cos and sin. Else idx holds
+    positions, and ``source`` (see ``_angles.fill_row``) fills the row of each new position
+    into the one-row tables cos and sin, once per run of rows at that position.
+
+    In place, x is o (the tail past rotary_dim is then left as it is), or None for an in-place
+    operand of rotate_qk beside one whose result streams: that operand's lines are read before
+    they are written, so it goes to ``in_place_runs`` (the plain-store loop) with x as o.
     """
     # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
     # pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
@@ -46,18 +51,24 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     wide_bytes = widths[0]
     copy_16_bytes = copy_16(nontemporal)
 
-    def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+    def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
         """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
 
     in_place_loop = direct_runs if in_place_runs is None else in_place_runs
 
     @overload(direct_runs)
-    def direct_runs_impl(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+    def direct_runs_impl(
+        x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
+    ):
         # launch passes None only to the streaming loop (see launch), which hands it on
         if isinstance(x, types.NoneType):
 
-            def in_place(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
-                in_place_loop(o, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv)
+            def in_place(
+                x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
+            ):
+                in_place_loop(
+                    o, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
+                )
 
             return in_place
 
@@ -65,7 +76,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
         # conversions would call runtime helpers that Numba's JIT may not link.
         if o.dtype == types.int16 and not HARDWARE_F16:
 
-            def nothing(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+            def nothing(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
                 return None
 
             return nothing
@@ -81,7 +92,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
         # the layout test or the tail inside the row loop, LLVM keeps the loop's registers on the
         # stack. The loop over runs is in the same function: a function Numba compiles on its
         # own is optimized and emitted by LLVM once more in each caller's library.
-        def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv):
+        def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
             if first >= stop:
                 return
             inner = g.shape[1] - 2
@@ -93,6 +104,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
             mid = np.uint64(32 // o.itemsize)
             n = np.uint64(rotary_dim)
             h = n // np.uint64(2)
+            last = np.int64(-1)  # the position whose row ``source`` holds
             row_at = first
             while row_at < stop:
                 xb, ob, pb, left = run_start(g, row_at)
@@ -103,7 +115,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                     hi = min(lo + block, run)
                     if half:
                         for r in range(lo, hi):
-                            tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                            p = idx[np.uint64(pb + r * sp + axis)]
+                            if filling(source):
+                                if p != last:
+                                    fill_row(source, p)
+                                    last = p
+                                tb = np.uint64(0)
+                            else:
+                                tb = np.uint64(p) * stride
                             xr = np.uint64(xb + r * sx)
                             orow = np.uint64(ob + r * so)
                             j = np.uint64(0)
@@ -117,7 +136,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                                 half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
                     else:
                         for r in range(lo, hi):
-                            tb = np.uint64(idx[np.uint64(pb + r * sp + axis)]) * stride
+                            p = idx[np.uint64(pb + r * sp + axis)]
+                            if filling(source):
+                                if p != last:
+                                    fill_row(source, p)
+                                    last = p
+                                tb = np.uint64(0)
+                            else:
+                                tb = np.uint64(p) * stride
                             xr = np.uint64(xb + r * sx)
                             orow = np.uint64(ob + r * so)
                             j = np.uint64(0)

@@ -273,8 +273,8 @@ def rotate_range_direct(
 ):  # fmt: skip
     """The direct path with streaming stores (DIRECT)."""
     f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
-    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
 
 
 @njit(cache=DISK_CACHE, nogil=True)
@@ -284,9 +284,40 @@ def rotate_range_vector(
 ):  # fmt: skip
     """The direct path with plain stores (VECTOR)."""
     f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_plain(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv)
-    direct_runs_plain(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv)
+    direct_runs_plain(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+    direct_runs_plain(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
 
+
+# The direct path with rows from the level tables (see launch_filled): idx holds positions, and
+# the arguments in the tables' and copy_tail's places are the level tables, the frequencies and
+# the rows' scale; each task's scratch block holds one row, filled for each new position.
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_filled_direct(
+    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
+    stop,
+):  # fmt: skip
+    """DIRECT, rows filled per position."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    src = (levels, inv_freq, scale, buf)
+    c, s = buf[0], buf[1]
+    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_filled_vector(
+    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
+    stop,
+):  # fmt: skip
+    """VECTOR, rows filled per position."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    src = (levels, inv_freq, scale, buf)
+    c, s = buf[0], buf[1]
+    direct_runs_plain(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+    direct_runs_plain(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+
+FILLED_KERNELS = {DIRECT: rotate_range_filled_direct, VECTOR: rotate_range_filled_vector}
 
 # By ``stream`` (see launch): the one-thread kernel
 KERNELS = {
