@@ -443,15 +443,18 @@ def main():
             for mib, gbs, copy in points:
                 print(f"  {dtype:9s} {mib:8.2f} MiB  {gbs:6.1f} GB/s  (copy {copy:6.1f} GB/s)")
         import positions
+        import shapes as shape_matrix
 
         lengths = [2**e for e in range(12, (18 if args.quick else 20) + 1)]
         print("\npast the cos/sin cache (bench/positions.py):")
-        print(
-            positions.report(
-                positions.prefill_sweep(lengths, max(3, repeats // 2)),
-                positions.decode_sweep(rounds),
-            )
+        long_context = (
+            positions.prefill_sweep(lengths, max(3, repeats // 2)),
+            positions.decode_sweep(rounds),
         )
+        print(positions.report(*long_context))
+        print("\nhead sizes x rotary fractions x styles x dtypes (bench/shapes.py):")
+        matrix = shape_matrix.matrix(512 if args.quick else 2048, 3 if args.quick else 5)
+        print(shape_matrix.report(matrix))
         against = frameworks.framework_rows(repeats=max(3, repeats // 2))
         print("\nagainst other implementations (float32, half style), us per call:")
         for shape, name, seconds in against:
@@ -498,7 +501,15 @@ def main():
     if args.write and not args.no_cpu:
         cold = {"import_s": import_s, "first_call_s": first_call_s, "cold_s": first[1]}
         report.write(
-            args.write, info, cold, decode, rows, sweep, against, accuracy, dask_line, date
+            args.write,
+            info,
+            cold,
+            decode,
+            rows,
+            sweep,
+            (against, accuracy, long_context, matrix),
+            dask_line,
+            date,
         )
         print(f"\nwrote {args.write} and its plots")
     print(f"\ntotal {time.time() - start:.0f} s")

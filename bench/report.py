@@ -55,10 +55,15 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def write(path, info, cold, decode, rows, sweep, frameworks, accuracy, dask_line, date):
+def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
+    """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
+    context sweep (prefill rows, decode steps) and the shape matrix, as bench.py makes them."""
+    frameworks, accuracy, (prefill, decode_at), matrix = measured
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     figures = _plots(folder, sweep, frameworks, accuracy)
+    figures["positions"] = _position_plot(folder, prefill, decode_at)
+    first = min(decode_at, key=lambda k: k if isinstance(k, int) else float("inf"))
     text = [
         "# arrayrope performance",
         "",
@@ -150,6 +155,52 @@ def write(path, info, cold, decode, rows, sweep, frameworks, accuracy, dask_line
         ),
         "",
         f"![float32 error against position]({figures['accuracy']})",
+        "",
+        "## Long contexts",
+        "",
+        "(1, 8, T, 128) float32 `rope.rotate(x, out=o)`, positions 0..T-1: the cos/sin cache "
+        "holds 65,536 rows here, and longer calls make each position's row in the kernel. "
+        "`of ceiling` is against the fastest copy of the same bytes; `rate` is the time per "
+        "element at T = 2**15 over the time per element at T.",
+        "",
+        _table(
+            ["T", "ms", "GB/s", "of ceiling", "rate vs T = 2**15"],
+            [
+                (f"{t:,}", f"{ms:.2f}", f"{gbs:.1f}", f"{r:.2f}", _fmt(rate, ".2f"))
+                for t, ms, gbs, r, rate in prefill
+            ],
+        ),
+        "",
+        "A decode step, (1, 32, 1, 128) float32 `rope.rotate(x, p, out=o)`, and eight rows at "
+        "once, one position per sequence; microseconds per call, best of rounds taking turns.",
+        "",
+        _table(
+            ["call", "us", "against"],
+            [
+                (
+                    f"position {k:,}" if isinstance(k, int) else k,
+                    f"{us:.2f}",
+                    f"{us / decode_at[first if isinstance(k, int) else 'batch small']:.2f}x",
+                )
+                for k, us in decode_at.items()
+            ],
+        ),
+        "",
+        f"![throughput and decode time against position]({figures['positions']})",
+        "",
+        "## Head sizes and rotary fractions",
+        "",
+        "(1, 32, T, d) `rope.rotate(x, out=o)` unless the mode says otherwise; `of copy` against "
+        "the fastest copy of the same bytes, `vs full` the time over full rotary's at the same "
+        "d, dtype, style and mode (above 1: slower).",
+        "",
+        _table(
+            ["d", "rotary_dim", "style", "dtype", "mode", "ms", "of copy", "vs full"],
+            [
+                (d, rd, style, dtype, mode, f"{ms:.3f}", f"{ratio:.2f}", _fmt(vs, ".2f"))
+                for d, rd, style, dtype, mode, ms, ratio, vs in matrix
+            ],
+        ),
     ]
     if dask_line:
         text += ["", "## Dask", "", dask_line]
@@ -166,6 +217,36 @@ def _framework_table(frameworks):
             ratio = ""
         rows.append((shape, name, _fmt(None if seconds is None else seconds * 1e6, ".1f"), ratio))
     return rows
+
+
+def _position_plot(folder, prefill, decode_at):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    lengths = [t for t, *_ in prefill]
+    left.plot(lengths, [g for _, _, g, _, _ in prefill], marker="o", label="arrayrope")
+    left.plot(lengths, [g / r for _, _, g, r, _ in prefill], ls="--", label="copy ceiling")
+    left.axvline(65536, color="grey", lw=0.8)
+    left.set_xscale("log", base=2)
+    left.set_ylim(bottom=0)
+    left.set_xlabel("T, (1, 8, T, 128) float32, positions 0..T-1 (line: the cache's end)")
+    left.set_ylabel("GB/s (read + written)")
+    left.legend()
+    steps = {k: v for k, v in decode_at.items() if isinstance(k, int)}
+    right.plot(list(steps), list(steps.values()), marker="o")
+    right.axvline(65536, color="grey", lw=0.8)
+    right.set_xscale("log")
+    right.set_ylim(bottom=0)
+    right.set_xlabel("position of a (1, 32, 1, 128) float32 decode step")
+    right.set_ylabel("us per call")
+    fig.suptitle("Against position")
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "positions.png"), dpi=110)
+    plt.close(fig)
+    return "positions.png"
 
 
 def _plots(folder, sweep, frameworks, accuracy):
