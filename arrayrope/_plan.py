@@ -317,7 +317,7 @@ class GeneralPlan:
             operands.append((moved, out, idx.transpose(order)))
         if not operands:
             return True
-        _, inv_freq, levels = tables._level_arrays()
+        _, inv_freq, levels = tables.level_arrays()
         args = (levels, inv_freq, tables.scale, self.table_dtype, inverse)
         if not self.launch_filled(self.spec, operands, *args):
             return False

@@ -127,7 +127,7 @@ class CosSinTables:
         outside [0, 2**31)."""
         from .backends.cpu import _angles, _config
 
-        found = self._level_arrays()
+        found = self.level_arrays()
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         out = np.empty((2, positions.shape[0], self.inv_freq.size), dtype)
         if out[0].size >= PARALLEL_PAIRS and _config.threads_usable():
@@ -142,7 +142,7 @@ class CosSinTables:
         table, as :meth:`integer_rows` makes them: (2, rows, n_pairs) of ``dtype``."""
         from .backends.cpu import _angles
 
-        _, inv_freq, levels = self._level_arrays()
+        _, inv_freq, levels = self.level_arrays()
         out = np.empty((2, rows, inv_freq.size), dtype)
         _angles.column_entry(out.dtype)(first, inv_freq, levels, self.scale, out)
         return out
@@ -153,7 +153,7 @@ class CosSinTables:
         as little Python as a decode step affords."""
         from .backends.cpu import _angles
 
-        _, inv_freq, levels = self._level_arrays()
+        _, inv_freq, levels = self.level_arrays()
         fill = _angles.column_entry(np.dtype(dtype))
         shape, scale, empty = (2, 1, inv_freq.size), self.scale, np.empty
 
@@ -164,7 +164,7 @@ class CosSinTables:
 
         return row_at
 
-    def _level_arrays(self):
+    def level_arrays(self):
         """(pair_axis, inv_freq, level tables) as the fill kernels take them, built once."""
         found = self._levels
         if found is None:

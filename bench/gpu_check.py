@@ -56,11 +56,41 @@ def main():
         f"tests {'passed' if tests.returncode == 0 else 'FAILED'}; {time.time() - start:.0f} s"
     )
     print(table(rows))
+    length = 32768
+    print(
+        f"\n(1, 8, {length}, 128) float32 rotate out=, int64 device positions start..start+T-1"
+        " (start 0: the device's table; the others past it), us per call:"
+    )
+    sweep = position_sweep(cupy, np, length)
+    for start, us in sweep.items():
+        print(f"  start {start:>13,}: {us:9.1f} us  ({us / sweep[0]:.2f}x)")
     print("\nhost-device traffic per decode call (1, 32, 1, 128) float32, counted over 100 calls:")
     for name, counts in decode_traffic(cupy, np).items():
         shown = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in counts.items())
         print(f"  {name:36s} " + ", ".join(shown))
     sys.exit(tests.returncode)
+
+
+def position_sweep(cupy, np, length, repeats=20):
+    """{start: us per call} of (1, 8, length, 128) float32 ``rope.rotate(x, pos, out=o)`` with
+    int64 device positions start..start+length-1: rows from the device's table at start 0, and
+    from the level tables in the kernel past it."""
+    import arrayrope as ar
+
+    rope = ar.RoPE(128)
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 8, length, 128), np.float32))
+    out = cupy.empty_like(x)
+    found = {}
+    for start in (0, 10**5, 10**6, 10**7, 2**31 - length):
+        pos = cupy.asarray(np.arange(start, start + length, dtype=np.int64))
+        rope.rotate(x, pos, out=out)  # compiled, tables on the device
+        cupy.cuda.Device().synchronize()
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            rope.rotate(x, pos, out=out)
+        cupy.cuda.Device().synchronize()
+        found[start] = (time.perf_counter() - begin) / repeats * 1e6
+    return found
 
 
 def decode_traffic(cupy, np, calls=100):

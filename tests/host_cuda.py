@@ -44,9 +44,9 @@ HOST_RUNNER = r"""
 extern "C" void host_##NAME(                                                                 \
     const T* x1, T* o1, const i64* i1, const T* x2, T* o2, const i64* i2, const i64* g,      \
     int nlead, const Elem<T>::compute* cos_table, const Elem<T>::compute* sin_table,         \
-    i64 n_table, const int* pair_axis, const double* inv_freq, double scale, int* flagged,   \
-    int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, i64 n1, i64 n2,             \
-    unsigned grid, unsigned lanes, unsigned rows_per_block)                                  \
+    i64 n_table, const int* pair_axis, const double* inv_freq, const double* levels,         \
+    double scale, int* flagged, int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, \
+    i64 n1, i64 n2, unsigned grid, unsigned lanes, unsigned rows_per_block)                  \
 {                                                                                            \
     blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
     for (unsigned b = 0; b < grid; ++b)                                                      \
@@ -54,8 +54,8 @@ extern "C" void host_##NAME(                                                    
             for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
                 blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
                 NAME(x1, o1, i1, x2, o2, i2, g, nlead, cos_table, sin_table, n_table,        \
-                     pair_axis, inv_freq, scale, flagged, rotary_dim, d, sign, copy_tail,    \
-                     n1, n2);                                                                \
+                     pair_axis, inv_freq, levels, scale, flagged, rotary_dim, d, sign,       \
+                     copy_tail, n1, n2);                                                     \
             }                                                                                \
 }
 """

@@ -23,11 +23,12 @@ from conftest import (
     run_launcher,
 )
 from host_cuda import run_kernel
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrayrope as ar
 from arrayrope.backends.cuda.cupy import KERNEL_NAMES, OPTIONS, SOURCE
+from arrayrope.scaling import YaRN
 
 NVCC = shutil.which("nvcc")
 
@@ -240,10 +241,9 @@ def test_source_on_the_host_rotates_q_and_k_in_one_launch(host_kernels):
 def test_source_on_the_host_rows_past_the_table_and_invalid_positions(
     host_kernels, dtype, style, layout
 ):
-    # Device positions reach the kernel unchecked: past the table's rows it computes a row
-    # itself with the table's formula (the CPU's exact rows: the same bits, but in float64,
-    # where libm's cos may differ from NumPy's in an ulp); an invalid one gives NaN for the
-    # pairs that read it, and sets the error flag.
+    # Device positions reach the kernel unchecked: past the table's rows it makes a row itself
+    # from the level tables, operation for operation as the CPU does (the same bits, float64
+    # too); an invalid one gives NaN for the pairs that read it, and sets the error flag.
     rng = np.random.default_rng()
     if layout == "one axis":
         rope = ar.RoPE(16, rotary_dim=12, style=style, max_positions=8)
@@ -261,10 +261,7 @@ def test_source_on_the_host_rows_past_the_table_and_invalid_positions(
     out = poisoned(x.shape, x.dtype)
     launch(rope._spec, [(x, out, idx)], table[0], table[1], False, freqs=freqs)
     cpu = rope.rotate(x, idx if layout == "sectioned" else idx[:, 0])
-    if dtype == np.float64:
-        np.testing.assert_allclose(out, cpu, rtol=1e-15, atol=1e-15)
-    else:
-        np.testing.assert_array_equal(bits(out), bits(cpu))
+    np.testing.assert_array_equal(bits(out), bits(cpu))
     out = poisoned(x.shape, x.dtype)
     with pytest.raises(ar.RopeValueError, match="negative or 2\\*\\*31"):
         launch(rope._spec, [(x, out, bad)], table[0], table[1], False, freqs=freqs)
@@ -276,6 +273,36 @@ def test_source_on_the_host_rows_past_the_table_and_invalid_positions(
         assert reads_bad.sum() == 6  # axis 1's three pairs
     else:
         assert reads_bad[:r].all()
+
+
+DIGIT_EDGES = [0, 2047, 2048, 2**22 - 1, 2**22, 2**22 + 2047, 2**31 - 1]
+
+
+@settings(max_examples=15)
+@given(
+    st.lists(st.one_of(st.sampled_from(DIGIT_EDGES), st.integers(0, 2**31 - 1)), min_size=1,
+             max_size=9),
+    st.sampled_from(DTYPES),
+    st.sampled_from(["interleaved", "half"]),
+    st.sampled_from([None, YaRN(8.0, 4096)]),
+    st.integers(0, 2**32 - 1),
+)  # fmt: skip
+def test_source_on_the_host_rows_past_the_table_are_the_cpus(
+    host_kernels, positions, dtype, style, rule, seed
+):
+    # Positions across the whole range, at the level tables' digit edges and anywhere: the
+    # device's rows past its table are the CPU's rows, to the bit, in every dtype.
+    rng = np.random.default_rng(seed)
+    rope = ar.RoPE(16, style=style, scaling=rule, max_positions=8)
+    x = random_array(rng, (len(positions), 16), dtype)
+    idx = np.array(positions)[:, None]
+    freqs = rope._engine.freq_set(None).tables
+    table = freqs.cached(np, None, np.float64 if dtype == np.float64 else np.float32, 7)
+    out = poisoned(x.shape, x.dtype)
+    _host_launcher(host_kernels)(
+        rope._spec, [(x, out, idx)], table[0], table[1], False, freqs=freqs
+    )
+    np.testing.assert_array_equal(bits(out), bits(rope.rotate(x, idx[:, 0])))
 
 
 def test_source_on_the_host_takes_multi_axis_positions(host_kernels):
@@ -396,7 +423,8 @@ table = np.zeros((4, 32), np.float32)
 g = np.zeros((2, 4, 2), np.int64)
 g[0, 0, 0], g[0, 1, 0], g[0, 2, 0] = 1, 64, 64
 args = (odd, odd, np.zeros(1, np.int64), odd, odd, np.zeros(1, np.int64), g, np.int32(1),
-        table, table, np.int64(4), np.zeros(32, np.int32), np.zeros(32), np.float64(1.0),
+        table, table, np.int64(4), np.zeros(32, np.int32), np.zeros(32), np.zeros((2, 1, 1)),
+        np.float64(1.0),
         np.zeros(1, np.int32), np.int32(64), np.int32(64), np.float32(1.0), np.int32(0),
         np.int64(1), np.int64(0))
 run_kernel(library, "rope_float32_interleaved", (1,), (32, 8), args, lambda a: a.ctypes.data)

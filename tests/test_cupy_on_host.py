@@ -245,9 +245,8 @@ def test_bad_device_positions_for_the_reference_raise_at_once(cp, pos):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_axes", [1, 2])
 def test_device_positions_past_the_table_are_computed_by_the_kernel(cp, rng, dtype, n_axes):
-    # A table of 16 rows; device positions far past it, up to 2**31 - 1: the kernel computes
-    # those rows with the table's own formula, so the results match the CPU, which builds
-    # exact rows for them on the host.
+    # A table of 16 rows; device positions far past it, up to 2**31 - 1: the kernel makes
+    # those rows from the level tables as the CPU does, so the results are the CPU's bits.
     if n_axes == 1:
         rope = ar.RoPE(16, rotary_dim=12, max_positions=16)
     else:
@@ -262,10 +261,7 @@ def test_device_positions_past_the_table_are_computed_by_the_kernel(cp, rng, dty
     cpu = rope.rotate(x, values)
     if n_axes == 1:
         assert_matches(got, oracle(x, values, rotary_dim=12), x)
-    if dtype != np.float64:  # the angle's float64 cos, rounded once to float32: the same bits
-        np.testing.assert_array_equal(bits(got), bits(cpu))
-    else:
-        np.testing.assert_allclose(got, cpu, rtol=1e-15, atol=1e-15)
+    np.testing.assert_array_equal(bits(got), bits(cpu))
 
 
 def test_device_positions_copy_nothing_and_wait_for_nothing(cp, rng):
@@ -492,6 +488,21 @@ def test_gpu_check_counts_the_traffic_of_a_decode_call(cp, monkeypatch):
     assert all("error" in found[name] for name in found if name.startswith("numba-cuda"))
 
 
+def test_gpu_check_sweeps_device_positions_past_the_table(cp, monkeypatch):
+    # bench/gpu_check.py's position sweep, on the stand-in, and what it times is right
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
+    from bench.gpu_check import position_sweep
+
+    found = position_sweep(cp, np, 8, repeats=1)
+    assert list(found) == [0, 10**5, 10**6, 10**7, 2**31 - 8]
+    assert all(us > 0 for us in found.values())
+    rope = ar.RoPE(128)
+    x = np.random.default_rng(0).standard_normal((1, 8, 8, 128), np.float32)
+    pos = np.arange(2**31 - 8, 2**31)
+    got = rope.rotate(cp.asarray(x), cp.asarray(pos)).get()
+    np.testing.assert_array_equal(bits(got), bits(rope.rotate(x, pos)))
+
+
 def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
     # A captured graph keeps addresses: a device temporary would be freed under it, and a
     # read of the host cannot be captured at all. Such calls are refused during capture, and
@@ -529,7 +540,7 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
     table = rope._engine.freq_set(None).tables.existing(0, np.dtype(np.float32))
     assert table[0].data.ptr in held and table[1].data.ptr in held
     assert _device.error_flag(cp, 0)[0].data.ptr in held
-    assert len(held) == 6  # and the geometry, pair axes and frequencies
+    assert len(held) == 7  # and the geometry, pair axes, frequencies and level tables
     assert not {x.data.ptr, out.data.ptr, pos64.data.ptr} & held
     with stream:  # a layout not seen outside capture: its geometry is not on the device
         stream.begin_capture()

@@ -19,6 +19,7 @@ import numpy as np
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
+from . import level_arguments
 from ._device import error_flag, hold, kept, on_device
 
 LANES = 32
@@ -140,15 +141,16 @@ _ENTRY_PREFIX = {}  # "rope_<dtype>_<style>" by (dtype, style): dtype.name is sl
 def launch_plan(spec, operands, tables, inverse, freqs, flag, place):
     """What one launch takes, host side: (kernel name, grid, block, args), args in the kernel's
     order: the six operand arrays, geometry g, nlead, cos, sin (``tables``, C-contiguous), the
-    table's rows, pair_axis (int32), inv_freq (float64), scale, the error flag ``flag``, then
-    rotary_dim, d, sign, copy_tail, n1, n2. Small host arrays (g, pair_axis, inv_freq) pass
-    through ``place(key, host)`` (host: an array, or a function that makes it), which keeps
-    them on the device for :func:`launch`; the tests, which run the same source on the host,
-    pass them through.
+    table's rows, pair_axis (int32), inv_freq (float64), the level tables (float64), scale,
+    the error flag ``flag``, then rotary_dim, d, sign, copy_tail, n1, n2. Host arrays made once
+    per frequency set (g, pair_axis, inv_freq, the level tables) pass through
+    ``place(key, host)`` (host: an array, or a function that makes it), which keeps them on
+    the device for :func:`launch`; the tests, which run the same source on the host, pass them
+    through.
 
-    ``freqs`` (the frequency set's ``CosSinTables``) gives the rows past the table that the
-    kernel computes for device positions; None where every position is in the table (a row
-    past it would be NaN)."""
+    ``freqs`` (the frequency set's ``CosSinTables``) gives the level tables of the rows past
+    the table that the kernel makes for device positions; None where every position is in the
+    table (a row past it would be NaN)."""
     x0 = operands[0][0]
     g = geometry(operands, flat=False)
     arrays = []
@@ -162,10 +164,7 @@ def launch_plan(spec, operands, tables, inverse, freqs, flag, place):
     copy_tail = tail_mask(spec.rotary_dim, operands)
     compute = np.float64 if x0.dtype == np.float64 else np.float32
     axes = spec.pair_axis
-    if freqs is None:
-        inv_freq, scale = np.zeros(axes.shape[0]), np.nan
-    else:
-        inv_freq, scale = freqs.inv_freq, freqs.scale
+    inv_freq, levels, scale = level_arguments(spec, freqs)
     args = (
         *arrays,
         place(("g", g.shape, g.tobytes()), g),
@@ -174,6 +173,7 @@ def launch_plan(spec, operands, tables, inverse, freqs, flag, place):
         np.int64(tables[0].shape[0]),
         place(("axes", "int32", axes.tobytes()), lambda: axes.astype(np.int32)),
         place(("inv_freq", inv_freq.tobytes()), inv_freq),
+        place(("levels", levels.shape, inv_freq.tobytes()), levels),
         np.float64(scale),
         flag,
         np.int32(spec.rotary_dim),

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..._errors import BackendUnavailableError, RopeValueError
 from .._geometry import flat_view, geometry, rows, tail_mask
+from . import level_arguments
 from ._device import error_flag, on_device
 
 try:
@@ -105,6 +106,39 @@ def _kernel(bf16_bits, half_style, compute):
         def store(a, i, value):
             a[i] = value
 
+    exact = compute == np.float64
+
+    @cuda.jit(device=True, inline=True)
+    def past_table(p, j, inv_freq, levels, scale):
+        """cos and sin of pair j at position p in [0, 2**31) past the table: the CPU's formula
+        (backends/cpu/_angles.py), operation for operation, from the level tables ``levels``
+        (2, LEVEL_ROWS, n_pairs), rounded once to the compute type; no cos or sin."""
+        h = p >> 22
+        k = (p >> 11) & 2047
+        low = p & 2047
+        theta = inv_freq[j]
+        c2, s2 = levels[0, 2048 + k, j], levels[1, 2048 + k, j]
+        c3, s3 = levels[0, low, j], levels[1, low, j]
+        fm, fk, fl = np.float64(p), np.float64(k), np.float64(low)
+        if h == 0:
+            cc = c2 * c3 - s2 * s3
+            ss = s2 * c3 + c2 * s3
+            delta = (fm * theta - fk * (theta * 2048.0)) - fl * theta
+        else:
+            c1, s1 = levels[0, 4096 + h, j], levels[1, 4096 + h, j]
+            c12 = c1 * c2 - s1 * s2
+            s12 = s1 * c2 + c1 * s2
+            cc = c12 * c3 - s12 * s3
+            ss = s12 * c3 + c12 * s3
+            a = np.float64(h) * (theta * 4194304.0)
+            delta = ((fm * theta - a) - fk * (theta * 2048.0)) - fl * theta
+        if exact:  # float64: to second order in delta
+            half = 0.5 * delta * delta
+            return compute((cc - (ss * delta + cc * half)) * scale), compute(
+                (ss + (cc * delta - ss * half)) * scale
+            )
+        return compute((cc - ss * delta) * scale), compute((ss + cc * delta) * scale)
+
     @cuda.jit
     def rope_kernel(
         x1,
@@ -118,6 +152,7 @@ def _kernel(bf16_bits, half_style, compute):
         sin,
         pair_axis,
         inv_freq,
+        levels,
         scale,
         flagged,
         rotary_dim,
@@ -172,10 +207,11 @@ def _kernel(bf16_bits, half_style, compute):
                 elif p < 0 or p >= 2147483648:  # invalid: NaN rows, and the error flag
                     flagged[0] = 1
                     c = s = compute(math.nan)
-                else:  # past the table: its own formula, in float64, rounded once
-                    angle = np.float64(p) * inv_freq[j]
-                    c = compute(math.cos(angle) * scale)
-                    s = compute(math.sin(angle) * scale) * sign
+                elif scale != scale:  # no level tables: every position was in the table
+                    c = s = compute(math.nan)
+                else:  # past the table: the level tables' rows, as on the CPU
+                    c, s = past_table(p, j, inv_freq, levels, scale)
+                    s = s * sign
                 if half_style:
                     ia = j
                     ib = j + half
@@ -263,10 +299,7 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
     kernel = _kernel(bf16_bits, spec.style == "half", compute)
     copy_tail = tail_mask(spec.rotary_dim, operands)
     blocks = (n1 + n2 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
-    if freqs is None:
-        inv_freq, scale = np.zeros(spec.pair_axis.shape[0]), np.nan
-    else:
-        inv_freq, scale = freqs.inv_freq, freqs.scale
+    inv_freq, levels, scale = level_arguments(spec, freqs)
     flag_arg = to_device(flag)
     arrays = (
         *args,
@@ -275,6 +308,7 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
         to_device(sin),
         kept(("axes", "int64", spec.pair_axis.tobytes()), spec.pair_axis),
         kept(("inv_freq", inv_freq.tobytes()), inv_freq),
+        kept(("levels", levels.shape, inv_freq.tobytes()), levels),
     )
     kernel[(blocks,), (LANES, WARPS_PER_BLOCK), stream](
         *arrays,

@@ -56,22 +56,64 @@ template <> struct Elem<bf16_bits> {
     }
 };
 
-// cos and sin of pair `pair` for a position past the table (the table's own formula: the angle
-// in float64, cos and sin scaled in float64, one rounding to the compute type), or NaN and the
-// error flag set for a position that is not valid (negative, or 2**31 or more)
+// cos and sin of pair `pair` (of n_pairs) for a position past the table, or NaN and the error
+// flag set for a position that is not valid (negative, or 2**31 or more). The CPU's formula
+// (backends/cpu/_angles.py), operation for operation: the digits of p = h * 2**22 + k * 2**11
+// + l pick rows of the three level tables (float64 cos and sin of l * theta, k * theta * 2**11,
+// h * theta * 2**22: `levels`, shape (2, LEVEL_ROWS, n_pairs)), two angle additions, the
+// rounding error of the float64 angle folded in, then scale, and one rounding to the compute
+// type: no cos or sin of float64 on the device. scale NaN: no level tables (a launch whose
+// positions are all in the table); such rows are NaN.
+#define DIGIT_BITS 11
+#define DIGIT 2048
+#define LEVEL_ROWS (2 * DIGIT + 512)
 template <typename C>
 __device__ __forceinline__ void past_table(
-    i64 p, int pair, const double* __restrict__ inv_freq, double scale, int* flagged,
-    C* c, C* s)
+    i64 p, int pair, int n_pairs, const double* __restrict__ inv_freq,
+    const double* __restrict__ levels, double scale, int* flagged, C* c, C* s)
 {
     if (p < 0 || p >= 2147483648LL) {
         *flagged = 1;
         *c = *s = (C)__uint_as_float(0x7fc00000u);
-    } else {
-        const double angle = (double)p * inv_freq[pair];
-        *c = (C)(cos(angle) * scale);
-        *s = (C)(sin(angle) * scale);
+        return;
     }
+    if (scale != scale) {
+        *c = *s = (C)__uint_as_float(0x7fc00000u);
+        return;
+    }
+    const i64 h = p >> (2 * DIGIT_BITS), k = (p >> DIGIT_BITS) & (DIGIT - 1), l = p & (DIGIT - 1);
+    const double theta = inv_freq[pair];
+    const double* cos_l = levels;
+    const double* sin_l = levels + (i64)LEVEL_ROWS * n_pairs;
+    const i64 mid = (DIGIT + k) * n_pairs + pair, low = l * n_pairs + pair;
+    const double c2 = cos_l[mid], s2 = sin_l[mid], c3 = cos_l[low], s3 = sin_l[low];
+    const double fm = (double)p, fk = (double)k, fl = (double)l;
+    double cc, ss, delta;
+    if (h == 0) {
+        cc = c2 * c3 - s2 * s3;
+        ss = s2 * c3 + c2 * s3;
+        delta = (fm * theta - fk * (theta * DIGIT)) - fl * theta;
+    } else {
+        const i64 top = (2 * DIGIT + h) * n_pairs + pair;
+        const double c1 = cos_l[top], s1 = sin_l[top];
+        const double c12 = c1 * c2 - s1 * s2;
+        const double s12 = s1 * c2 + c1 * s2;
+        cc = c12 * c3 - s12 * s3;
+        ss = s12 * c3 + c12 * s3;
+        const double a = (double)h * (theta * ((double)DIGIT * DIGIT));
+        delta = ((fm * theta - a) - fk * (theta * DIGIT)) - fl * theta;
+    }
+    double cd, sd;
+    if (sizeof(C) == 8) {  // float64 tables: to second order in delta, as the CPU's
+        const double half = 0.5 * delta * delta;
+        cd = cc - (ss * delta + cc * half);
+        sd = ss + (cc * delta - ss * half);
+    } else {
+        cd = cc - ss * delta;
+        sd = ss + cc * delta;
+    }
+    *c = (C)(cd * scale);
+    *s = (C)(sd * scale);
 }
 
 // N consecutive storage elements: one 4-, 8- or 16-byte access where the address is aligned.
@@ -118,8 +160,9 @@ __device__ __forceinline__ void rope_rows(
     const i64* __restrict__ i2, const i64* __restrict__ g, int nlead,
     const typename Elem<T>::compute* __restrict__ cos_table,
     const typename Elem<T>::compute* __restrict__ sin_table, i64 n_table,
-    const int* __restrict__ pair_axis, const double* __restrict__ inv_freq, double scale,
-    int* flagged, int rotary_dim, int d, typename Elem<T>::compute sign, int copy_tail, i64 n1,
+    const int* __restrict__ pair_axis, const double* __restrict__ inv_freq,
+    const double* __restrict__ levels, double scale, int* flagged, int rotary_dim, int d,
+    typename Elem<T>::compute sign, int copy_tail, i64 n1,
     i64 n2)
 {
     // copy_tail: bit t set where operand t's tail past rotary_dim is copied (not in place)
@@ -207,7 +250,8 @@ __device__ __forceinline__ void rope_rows(
                     load_n<C, P, VECTOR>(sin_table + p * half + j, s[r]);
                 } else {
                     for (int k = 0; k < P; ++k)
-                        past_table(p, j + k, inv_freq, scale, flagged, &c[r][k], &s[r][k]);
+                        past_table(p, j + k, half, inv_freq, levels, scale, flagged, &c[r][k],
+                                   &s[r][k]);
                 }
             } else {  // multi-axis positions: each pair reads its own axis
                 for (int k = 0; k < P; ++k) {
@@ -216,7 +260,8 @@ __device__ __forceinline__ void rope_rows(
                         c[r][k] = cos_table[p * half + j + k];
                         s[r][k] = sin_table[p * half + j + k];
                     } else {
-                        past_table(p, j + k, inv_freq, scale, flagged, &c[r][k], &s[r][k]);
+                        past_table(p, j + k, half, inv_freq, levels, scale, flagged, &c[r][k],
+                                   &s[r][k]);
                     }
                 }
             }
@@ -257,11 +302,13 @@ __device__ __forceinline__ void rope_rows(
 extern "C" __global__ void NAME(                                                             \
     const T* x1, T* o1, const i64* i1, const T* x2, T* o2, const i64* i2, const i64* g,      \
     int nlead, const Elem<T>::compute* cos_table, const Elem<T>::compute* sin_table,         \
-    i64 n_table, const int* pair_axis, const double* inv_freq, double scale, int* flagged,   \
-    int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, i64 n1, i64 n2)             \
+    i64 n_table, const int* pair_axis, const double* inv_freq, const double* levels,         \
+    double scale, int* flagged, int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, \
+    i64 n1, i64 n2)                                                                          \
 {                                                                                            \
     rope_rows<T, HALF_STYLE, P, VECTOR>(x1, o1, i1, x2, o2, i2, g, nlead, cos_table,         \
-                                        sin_table, n_table, pair_axis, inv_freq, scale,      \
-                                        flagged, rotary_dim, d, sign, copy_tail, n1, n2);    \
+                                        sin_table, n_table, pair_axis, inv_freq, levels,     \
+                                        scale, flagged, rotary_dim, d, sign, copy_tail, n1,  \
+                                        n2);                                                 \
 }
 
