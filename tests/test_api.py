@@ -108,6 +108,27 @@ def test_large_input_runs_the_parallel_kernel(rng):
     assert_matches(k_out, oracle(k, pos, style="half"), k)
 
 
+@pytest.mark.parametrize("pointers", [True, False])
+def test_parallel_launches_with_and_without_function_pointers(pointers, monkeypatch, rng):
+    # The parallel entry point reaches the kernels through Numba internals; where they move,
+    # each kernel gets a parallel entry of its own. Both give the one-thread kernel's bits.
+    from arrayrope.backends.cpu import _config, _parallel
+
+    monkeypatch.setattr(_parallel, "FUNCTION_POINTERS", pointers)
+    rope = ar.RoPE(32, style="half", rotary_dim=16, max_positions=64)
+    x = rng.standard_normal((2, 4, 300, 32)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 300, 32)).astype(np.float32)
+    for pos in (rng.integers(0, 64, 300), rng.integers(0, 2**31, 300)):  # cached, past the cap
+        with _config.override(serial_below=1 << 62, small_below=0):
+            want = rope.rotate_qk(x, k, pos)
+        with _config.override(serial_below=0, small_below=0):
+            got = rope.rotate_qk(x, k, pos)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert_matches(got[0], oracle(x, pos, style="half", rotary_dim=16), x)
+    assert _parallel.FUNCTION_POINTERS is pointers
+
+
 def test_cache_grows_geometrically_and_serves_large_positions():
     rope = ar.RoPE(16)
     x = np.ones((1, 16), np.float32)

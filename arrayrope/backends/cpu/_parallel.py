@@ -74,20 +74,63 @@ except ImportError:  # not public API: numba.typeof is the documented equivalent
     _type_key = numba.typeof
 
 
+def _plain_entry(kernel):
+    """The fallback where a kernel's C wrapper cannot be reached (see launch_parallel): a
+    parallel entry point of its own with ``kernel`` compiled into it (not cached on disk, and
+    compiled per kernel: slower to start, the same speed once compiled)."""
+
+    @njit(parallel=True)
+    def entry(
+        x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch,
+        total,
+    ):  # fmt: skip
+        n = scratch.shape[0]
+        for task in prange(n):
+            t = np.int64(task)
+            kernel(
+                x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail,
+                scratch[t], total * t // n, total * (t + 1) // n,
+            )  # fmt: skip
+
+    return entry
+
+
+# Whether launches reach the kernels through their C wrappers (Numba internals: the compiled
+# overload's library and wrapper name, known to work with Numba 0.68); False forces the
+# fallback (tests), and it is set False when those internals are not found.
+FUNCTION_POINTERS = True
+_plain_entries = {}  # by kernel: one of _rows' six at most
+
+
+def _pointer_entry(kernel, args, scratch):
+    arg_types = tuple(numba.typeof(a) for a in args)
+    sig = types.void(*arg_types[:-1], numba.typeof(scratch[0]), types.int64, types.int64)
+    kernel.compile(sig.args)
+    compiled = kernel.overloads[sig.args]
+    address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
+    entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
+    return entry, _Address(address, sig)
+
+
 def launch_parallel(kernel, args, scratch, total):
     """``rotate_parallel`` with ``kernel`` over rows 0..total-1 (``args``: the kernel's
     arguments before the scratch block; ``scratch``: one block per task). The entry point for
     the arguments' types is compiled, or loaded from the disk cache, the first time."""
+    global FUNCTION_POINTERS
     args = (*args, scratch)
-    key = (kernel, tuple(map(_type_key, args)))
-    found = _parallel_entries.get(key)
-    if found is None:
-        arg_types = tuple(numba.typeof(a) for a in args)
-        sig = types.void(*arg_types[:-1], numba.typeof(scratch[0]), types.int64, types.int64)
-        kernel.compile(sig.args)
-        compiled = kernel.overloads[sig.args]
-        address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
-        entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
-        found = _parallel_entries.put(key, (entry, _Address(address, sig)))
-    entry, address = found
-    run_parallel(entry, address, *args, total)
+    if FUNCTION_POINTERS:
+        key = (kernel, tuple(map(_type_key, args)))
+        found = _parallel_entries.get(key)
+        if found is None:
+            try:
+                found = _parallel_entries.put(key, _pointer_entry(kernel, args, scratch))
+            except (AttributeError, KeyError):  # the internals moved
+                FUNCTION_POINTERS = False
+        if found is not None:
+            entry, address = found
+            run_parallel(entry, address, *args, total)
+            return
+    entry = _plain_entries.get(kernel)
+    if entry is None:
+        entry = _plain_entries.setdefault(kernel, _plain_entry(kernel))
+    run_parallel(entry, *args, total)
