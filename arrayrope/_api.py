@@ -117,11 +117,44 @@ def rotate_qk(
     scaling: ScalingRule | None = None,
     seq_len: int | None = None,
 ) -> tuple[Array, Array]:
-    """Rotate queries and keys by the same positions in one call; returns (q_rot, k_rot).
+    """Rotate queries and keys by the same positions in one call.
 
-    q (..., Hq, T, d) and k (..., Hk, T, d) may differ in head count and may be views into one
-    fused QKV buffer. The configuration is :func:`rotate`'s, the rest
-    :meth:`RoPE.rotate_qk`'s.
+    ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a :class:`RoPE` of head_dim
+    ``q.shape[-1]``, shared with :func:`rotate` calls of the same configuration.
+
+    Parameters
+    ----------
+    q, k : arrays, shape (..., Hq, T, d) and (..., Hk, T, d)
+        One dtype (float16, bfloat16, float32 or float64) and array kind. They may differ in
+        head count (grouped-query attention) and may be strided views into one fused QKV
+        buffer.
+    pos : int, float, array or None
+        Positions broadcastable to both leading shapes; None gives each 0..T-1 along axis -2.
+    style : {"interleaved", "half"}
+        Pairs (x[2i], x[2i+1]) or (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
+    inverse : bool
+        Rotate by -angle (the transpose).
+    out : (q_out, k_out), optional
+        Where to write; ``out=(q, k)`` rotates both in place.
+    head_axis, backend, seq_len
+        As in :meth:`RoPE.rotate`.
+
+    Returns
+    -------
+    (q_rot, k_rot) : arrays of q's and k's type, shape and dtype (``out`` where given).
+
+    Raises
+    ------
+    RopeValueError, RopeTypeError
+        For bad input, naming the argument and the value; nothing is written unless both are.
+
+    Examples
+    --------
+    >>> import numpy as np, arrayrope as ar
+    >>> q, k = np.ones((1, 4, 3, 8), np.float32), np.ones((1, 2, 3, 8), np.float32)
+    >>> q_rot, k_rot = ar.rotate_qk(q, k, style="half")
+    >>> bool(np.allclose(q_rot[0, 0], k_rot[0, 0]))
+    True
     """
     try:
         rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))

@@ -95,7 +95,7 @@ def _lanes_of(array_type, nbytes):
 
 def _load_lanes(context, builder, array_type, array, index, lanes):
     """``lanes`` elements of a 1-D unit-stride array from ``index`` as a vector of the compute
-    type (float64 for float64, float32 otherwise), converted as _load converts one."""
+    type (float64 for float64, float32 otherwise), converted as _convert.load converts one."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.gep(data, [index])
     dtype = array_type.dtype
@@ -116,8 +116,8 @@ def _load_lanes(context, builder, array_type, array, index, lanes):
 
 def _stream_lanes(context, builder, array_type, array, index, value, nontemporal, aligned=True):
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned; only element-aligned
-    where ``aligned`` is False), rounded once to the array's storage type as _store rounds,
-    with streaming stores (plain ones where ``nontemporal`` is False)."""
+    where ``aligned`` is False), rounded once to the array's storage type as _convert.store
+    rounds, with streaming stores (plain ones where ``nontemporal`` is False)."""
     lanes = value.type.count
     dtype = array_type.dtype
     if dtype == types.int16:  # float16 bits, rounded half to even
