@@ -272,15 +272,15 @@ def _bfloat16_codegen(nbytes, nontemporal, aligned):
     return codegen
 
 
-def copy_16(nontemporal):
-    """An intrinsic: o[oa...] = x[xa...], 16 bytes, with a streaming store (o[oa] 16-byte
-    aligned) or a plain one."""
+def copy_16(nontemporal, nbytes=16):
+    """An intrinsic: o[oa...] = x[xa...], ``nbytes`` bytes (16, 32 or 64), with streaming stores
+    (o[oa] 16-byte aligned) or a plain one."""
 
     @intrinsic
     def copy(typingctx, x, xa, o, oa):
         def codegen(context, builder, signature, args):
             x_, xa_, o_, oa_ = args
-            vector = ir.VectorType(ir.IntType(32), 4)
+            vector = ir.VectorType(ir.IntType(32), nbytes // 4)
             source = context.make_array(signature.args[0])(context, builder, x_).data
             value = builder.load(
                 builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
