@@ -223,9 +223,9 @@ class Engine:
                 )
         kind, values = _positions.resolve(_interop.native_positions(pos), self.spec.n_axes)
         if CUPY in (array_family, _arrays.family(values)):
-            from .backends.cuda._device import refuse_during_capture
+            from . import backends
 
-            refuse_during_capture(_arrays.namespace(CUPY), "cos_sin on a device")
+            backends.device().refuse_during_capture(_arrays.namespace(CUPY), "cos_sin on a device")
         if kind == INT:
             values = np.asarray(values)
         shape = values.shape

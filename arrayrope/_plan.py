@@ -16,18 +16,15 @@ Two launch strategies:
 
 import numpy as np
 
-from . import _arrays, _positions
+from . import _arrays, _past_cap, _positions, backends
 from ._arrays import CUPY, NUMPY
 from ._errors import RopeTypeError, RopeValueError
 from ._plan_rows import rows_plan
 from ._positions import ARRAY, INT, NONE
 from ._spec import check_inverse
+from ._tables import checked_rows
 from .backends import check_name
 from .backends import module as backend_module
-
-# The most bytes of per-call cos/sin rows a NumPy call makes at once (see
-# GeneralPlan._run_in_blocks): they fit a core's share of the cache beside the data streaming by.
-BLOCK_BYTES = 1 << 20
 
 
 def _pick_backend(backend, array_family):
@@ -114,14 +111,6 @@ def build(engine, xs, outs, kind, pos, backend):
     return general
 
 
-def _checked_rows(tables, dtype, positions):
-    """``tables.integer_rows`` of positions that ``_positions.check_values`` has checked."""
-    rows = tables.integer_rows(dtype, positions)
-    if rows is None:  # only a bug in arrayrope reaches this
-        raise AssertionError("arrayrope: a position outside [0, 2**31) passed the check")
-    return rows
-
-
 class GeneralPlan:
     """Every call the row kernel does not take, on every backend."""
 
@@ -133,13 +122,14 @@ class GeneralPlan:
         self.xp = _arrays.namespace(array_family)
         self.backend = backend
         self.launch = backend_module(backend).launch
-        # the CPU's route for positions past the cache (see _run_filled)
+        # the CPU's route for positions past the cache (see _past_cap.filled)
         self.launch_filled = backend_module(backend).launch_filled if backend == "numba" else None
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         # the reference works on any layout; the kernels address some through temporaries
         self.any_layout = backend == "numpy"
-        # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._device)
+        # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._flag)
         self.device_checked = array_family == CUPY and backend != "numpy"
+        self.device = backends.device() if array_family == CUPY else None  # the GPU's hook
         self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
         self.nlead = max(1, max(x.ndim - 1 for x in xs))
 
@@ -232,13 +222,11 @@ class GeneralPlan:
         value_xp = _arrays.namespace_of(flat[0])
         flat = flat[0] if len(flat) == 1 else value_xp.concatenate(flat)
         if value_xp is np and all(is_int for _, is_int, _ in resolved):
-            cos, sin = _checked_rows(tables, self.table_dtype, flat)
+            cos, sin = checked_rows(tables, self.table_dtype, flat)
             return tables, cos, sin, idxs
         flat = flat.astype(np.float64, copy=False)
         if unknown:
-            from .backends.cuda._device import mark_invalid
-
-            flat = mark_invalid(xp, device, flat)
+            flat = self.device.mark_invalid(xp, device, flat)
         cos, sin = tables.exact(value_xp, self.table_dtype, flat)
         return tables, cos, sin, idxs  # host rows for a device: copied by device_rows
 
@@ -247,34 +235,30 @@ class GeneralPlan:
 
     def _run(self, xs, pos, inverse, outs, seq_len):
         xp, capture, device = self.xp, False, self._device()
-        if self.family == CUPY:
-            from .backends.cuda._device import capturing, device_rows, raise_flagged
-
-            raise_flagged(xp, device)
-            capture = capturing(xp)
+        if self.device is not None:
+            capture = self.device.begin(xp, device)
             if capture:
                 self._check_capturable(xs, pos, outs, seq_len)
         resolved = self._positions(xs, pos, seq_len)
         if self.family == NUMPY:
-            tables = self._past_cap(resolved, seq_len)
+            tables = self._past_cap_tables(resolved, seq_len)
             if tables is not None:
                 results, in_place = self._results(xs, outs)
-                if not self._run_filled(xs, resolved, tables, inverse, results, in_place):
-                    self._run_in_blocks(xs, resolved, tables, inverse, results, in_place)
+                args = (self, xs, resolved, tables, inverse, results, in_place)
+                if not _past_cap.filled(*args):
+                    _past_cap.in_blocks(*args)
                 return results
         if resolved[0][2] is None:  # positions the kernel checks: report at exit what is left
-            from .backends.cuda._device import arm
-
-            arm(xp)
+            self.device.arm(xp)
         tables, cos, sin, idxs = self._tables(resolved, seq_len, capture, device)
-        if self.family == CUPY:
-            idxs, cos, sin = device_rows(xp, device, idxs, cos, sin)
+        if self.device is not None:
+            idxs, cos, sin = self.device.device_rows(xp, device, idxs, cos, sin)
         results, in_place = self._results(xs, outs)
         operands, write_back = [], []
         for x, out, idx, same in zip(xs, results, idxs, in_place):
             if x.size == 0:
                 continue
-            operands.append(self._operand(x, out, idx, same, write_back))
+            operands.append(self.operand(x, out, idx, same, write_back))
         if operands:
             if self.device_checked:  # rows past the table are the kernel's to compute
                 self.launch(self.spec, operands, cos, sin, inverse, freqs=tables, capture=capture)
@@ -284,76 +268,16 @@ class GeneralPlan:
             out[...] = temp
         return results
 
-    def _past_cap(self, resolved, seq_len):
+    def _past_cap_tables(self, resolved, seq_len):
         """The tables of a call whose positions are integers reaching past the cache's cap,
         or None. Such a NumPy call takes no per-call table as large as itself: it runs filled
-        (:meth:`_run_filled`) or in blocks (:meth:`_run_in_blocks`)."""
+        (``_past_cap.filled``) or in blocks (``_past_cap.in_blocks``)."""
         if not all(is_int for _, is_int, _ in resolved):
             return None
         high = max(h for _, _, h in resolved)
         seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
         tables = self.engine.freq_set(seq_len).tables
         return tables if high >= tables.cap(self.table_dtype) else None
-
-    def _run_filled(self, xs, resolved, tables, inverse, results, in_place):
-        """Rotate into ``results`` by the CPU's direct path with each position's row filled
-        from the level tables inside the kernel (``cpu.launch_filled``): no per-call rows, and
-        each row made once per run of rows at its position. The leading axes along which the
-        positions broadcast (heads, mostly) go innermost, so that a position's rows are
-        adjacent. False, with nothing written, where that path cannot take the call (a
-        multi-axis RoPE, another backend, a layout the direct path refuses)."""
-        if self.launch_filled is None or self.spec.n_axes != 1:
-            return False
-        operands, write_back = [], []
-        for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):
-            if x.size == 0:
-                continue
-            x, out, idx = self._operand(x, out, values, same, write_back)
-            lead = range(x.ndim - 1)
-            inner = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
-            order = [a for a in lead if a not in inner] + inner + [x.ndim - 1]
-            moved = x.transpose(order)
-            out = moved if out is x else out.transpose(order)
-            operands.append((moved, out, idx.transpose(order)))
-        if not operands:
-            return True
-        _, inv_freq, levels = tables.level_arrays()
-        args = (levels, inv_freq, tables.scale, self.table_dtype, inverse)
-        if not self.launch_filled(self.spec, operands, *args):
-            return False
-        for temp, out in write_back:
-            out[...] = temp
-        return True
-
-    def _run_in_blocks(self, xs, resolved, tables, inverse, results, in_place):
-        """Rotate into ``results`` through per-call rows a block of positions at a time: each
-        operand split along the longest axis of its positions into blocks whose rows take at
-        most ``BLOCK_BYTES`` (they are still in cache when the kernel reads them), each block's
-        rows filled and rotated in turn. The memory of the rows stays bounded at any length."""
-        row_bytes = 2 * tables.inv_freq.size * self.table_dtype.itemsize
-        block_rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
-        write_back = []
-        for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):
-            if x.size == 0:
-                continue
-            lead = x.shape[:-1]
-            # positions with one axis per leading axis of x (size 1 where they broadcast)
-            values = values.reshape((1,) * (len(lead) + 1 - values.ndim) + values.shape)
-            axis = int(np.argmax(values.shape[:-1])) if len(lead) else 0
-            length = values.shape[axis] if len(lead) else 1
-            per_step = values.size // values.shape[-1] // max(length, 1)
-            step = max(1, block_rows // max(per_step, 1))
-            for start in range(0, length, step):
-                part = (slice(None),) * axis + (slice(start, start + step),)
-                xb = x[part] if len(lead) else x
-                ob = xb if out is x else (out[part] if len(lead) else out)
-                vb = values[part] if len(lead) else values
-                rows = _checked_rows(tables, self.table_dtype, vb.reshape(-1, vb.shape[-1]))
-                idx = np.arange(rows.shape[1], dtype=np.int64).reshape(vb.shape[:-1] + (1,))
-                operand = self._operand(xb, ob, idx, same, write_back)
-                self.launch(self.spec, [operand], rows[0], rows[1], inverse)
-        for temp, out in write_back:
-            out[...] = temp
 
     def _results(self, xs, outs):
         """The result arrays (new ones, or ``outs``) and, per operand, whether it is rotated in
@@ -413,7 +337,7 @@ class GeneralPlan:
                 raise RopeValueError("out[0] and out[1] overlap")
         return tuple(same)
 
-    def _operand(self, x, out, idx, in_place, write_back):
+    def operand(self, x, out, idx, in_place, write_back):
         """(x, out, idx) shaped for the kernels: every operand with the same number of leading
         axes, and through a temporary where a kernel cannot address an array (an in-place
         operand is passed with ``out is x``)."""

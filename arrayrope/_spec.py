@@ -147,9 +147,11 @@ def signed(delta):
     if values.dtype.kind not in "iuf" or values.size == 0:
         return values, False
     if _arrays.family(values) == _arrays.CUPY:
-        from .backends.cuda._device import refuse_during_capture
+        from . import backends
 
-        refuse_during_capture(_arrays.namespace(_arrays.CUPY), "shift with device deltas")
+        backends.device().refuse_during_capture(
+            _arrays.namespace(_arrays.CUPY), "shift with device deltas"
+        )
     low, high = values.min(), values.max()
     low, high = (float(v) for v in (low, high))
     if low < 0 < high:

@@ -215,3 +215,11 @@ def gather(xp, pair_axis, cos, sin, idx):
         rows = idx[..., xp.asarray(pair_axis)]
     columns = xp.arange(pairs)
     return cos[rows, columns], sin[rows, columns]
+
+
+def checked_rows(tables, dtype, positions):
+    """``tables.integer_rows`` of positions that ``_positions.check_values`` has checked."""
+    rows = tables.integer_rows(dtype, positions)
+    if rows is None:  # only a bug in arrayrope reaches this
+        raise AssertionError("arrayrope: a position outside [0, 2**31) passed the check")
+    return rows

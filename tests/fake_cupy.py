@@ -549,14 +549,14 @@ def installed(library):
     would share)."""
 
     from arrayrope import _cache
-    from arrayrope.backends.cuda import _device
+    from arrayrope.backends.cuda import _capture, _flag, _staging
 
     def forget():
         _cache.clear_all()  # plans, shared RoPEs, compiled modules, device arrays
-        _device._staging.clear()  # what a process keeps for its life: new with each stand-in
-        _device._flags.clear()
-        _device._held.clear()
-        _device._held_ids.clear()
+        _staging._buffers.clear()  # what a process keeps for its life: new with each stand-in
+        _flag._flags.clear()
+        _capture._held.clear()
+        _capture._held_ids.clear()
         transfers.clear()
         to_host.clear()
         _lost.clear()

@@ -305,28 +305,28 @@ def test_staging_buffers_are_not_refilled_while_their_copy_is_queued(cp):
     # A pinned buffer goes back into use only once the copy out of it has run: with every
     # copy still queued, each upload takes a buffer of its own, up to the limit, where the
     # host waits for the oldest.
-    from arrayrope.backends.cuda import _device
+    from arrayrope.backends.cuda import _staging
 
     fake_cupy.Event.pending = True
     seen, waited = [], []
-    for i in range(_device._STAGED + 3):
-        slots = _device._staging.get(0, [])
-        oldest = slots[0][2] if len(slots) == _device._STAGED else None
-        got = _device.upload(cp, 0, np.full(3, i))
+    for i in range(_staging._STAGED + 3):
+        slots = _staging._buffers.get(0, [])
+        oldest = slots[0][2] if len(slots) == _staging._STAGED else None
+        got = _staging.upload(cp, 0, np.full(3, i))
         np.testing.assert_array_equal(got.get(), [i] * 3)
-        seen.append(id(_device._staging[0][-1][0]))  # the newest copy's buffer comes last
+        seen.append(id(_staging._buffers[0][-1][0]))  # the newest copy's buffer comes last
         waited.append(oldest is not None and oldest.waited)
-    slots = _device._staging[0]
-    assert len(slots) == _device._STAGED
-    assert len(set(seen[: _device._STAGED])) == _device._STAGED  # a buffer each
-    assert seen[_device._STAGED :] == seen[:3]  # then the oldest, after waiting for it
-    assert waited == [False] * _device._STAGED + [True] * 3
+    slots = _staging._buffers[0]
+    assert len(slots) == _staging._STAGED
+    assert len(set(seen[: _staging._STAGED])) == _staging._STAGED  # a buffer each
+    assert seen[_staging._STAGED :] == seen[:3]  # then the oldest, after waiting for it
+    assert waited == [False] * _staging._STAGED + [True] * 3
     fake_cupy.Event.pending = False
-    _device.upload(cp, 0, np.arange(1000))  # larger than a buffer: a larger one
+    _staging.upload(cp, 0, np.arange(1000))  # larger than a buffer: a larger one
     assert max(slot[1] for slot in slots) == 8192
     cp.transfers.clear()
-    _device.upload(cp, 0, np.zeros(_device._STAGE_LIMIT // 8 + 1))  # past the limit: plain
-    assert cp.transfers == [((_device._STAGE_LIMIT // 8 + 1,), np.dtype(np.float64))]
+    _staging.upload(cp, 0, np.zeros(_staging._STAGE_LIMIT // 8 + 1))  # past the limit: plain
+    assert cp.transfers == [((_staging._STAGE_LIMIT // 8 + 1,), np.dtype(np.float64))]
 
 
 def test_decode_step(cp, rng):
@@ -507,7 +507,7 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
     # A captured graph keeps addresses: a device temporary would be freed under it, and a
     # read of the host cannot be captured at all. Such calls are refused during capture, and
     # what a capturable call reads is held for the life of the process.
-    from arrayrope.backends.cuda import _device
+    from arrayrope.backends.cuda import _capture, _flag
 
     rope = ar.RoPE(16)
     x = cp.asarray(rng.standard_normal((3, 16)).astype(np.float32))
@@ -536,10 +536,10 @@ def test_calls_that_cannot_be_captured_are_refused_with_the_reason(cp, rng):
         rope.rotate(x, pos64, out=out)
         stream.end_capture()
     # arrayrope's arrays that the graph reads are kept; the caller's are the caller's
-    held = {a.data.ptr for a in _device._held}
+    held = {a.data.ptr for a in _capture._held}
     table = rope._engine.freq_set(None).tables.existing(0, np.dtype(np.float32))
     assert table[0].data.ptr in held and table[1].data.ptr in held
-    assert _device.error_flag(cp, 0)[0].data.ptr in held
+    assert _flag.error_flag(cp, 0)[0].data.ptr in held
     assert len(held) == 7  # and the geometry, pair axes, frequencies and level tables
     assert not {x.data.ptr, out.data.ptr, pos64.data.ptr} & held
     with stream:  # a layout not seen outside capture: its geometry is not on the device

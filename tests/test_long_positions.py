@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayrope as ar
-from arrayrope import _plan
+from arrayrope import _past_cap
 from arrayrope.backends.cpu import _config
 from arrayrope.backends.cpu._angles import DIGIT, LEVEL_ROWS
 from arrayrope.scaling import Linear, Llama3, YaRN
@@ -22,7 +22,7 @@ large_positions = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**31 - 1))
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of a few positions, so that small arrays cross many block edges."""
-    monkeypatch.setattr(_plan, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(_past_cap, "BLOCK_BYTES", 256)
 
 
 def _ulps(a, b, dtype):
@@ -136,9 +136,9 @@ def route(request, monkeypatch):
     RoPEs, layouts the direct path refuses) per-call rows a block of positions at a time.
     Yields what each call of the filled route returned, or None for the blocks."""
     calls = []
-    filled = _plan.GeneralPlan._run_filled
+    filled = _past_cap.filled
     if request.param == "blocks":
-        monkeypatch.setattr(_plan.GeneralPlan, "_run_filled", lambda *args: False)
+        monkeypatch.setattr(_past_cap, "filled", lambda *args: False)
         return None
     else:
 
@@ -146,7 +146,7 @@ def route(request, monkeypatch):
             calls.append(filled(*args))
             return calls[-1]
 
-        monkeypatch.setattr(_plan.GeneralPlan, "_run_filled", counted)
+        monkeypatch.setattr(_past_cap, "filled", counted)
     return calls
 
 
@@ -217,7 +217,7 @@ def test_blocks_match_one_call_bit_for_bit(monkeypatch, rng):
     # positions 0..299, past the cap of 100 rows, in blocks of two positions
     blocked = rope.rotate_qk(q, k)
     single = rope.rotate(q[:, :, ::-1].copy(), np.arange(300)[::-1].copy())[:, :, ::-1]
-    monkeypatch.setattr(_plan, "BLOCK_BYTES", 1 << 30)
+    monkeypatch.setattr(_past_cap, "BLOCK_BYTES", 1 << 30)
     whole = rope.rotate_qk(q, k)
     np.testing.assert_array_equal(bits(blocked[0]), bits(whole[0]))
     np.testing.assert_array_equal(bits(blocked[1]), bits(whole[1]))

@@ -27,6 +27,13 @@ def module(backend):
     return found
 
 
+def device():
+    """The GPU backends' hook for the plans and the API (``cuda._device``), imported the first
+    time: what a call on CuPy arrays needs besides its kernel launch (the error flag of device
+    positions, graph capture, rows onto the device)."""
+    return importlib.import_module(".cuda._device", __name__)
+
+
 def check_name(backend):
     """Raise unless ``backend`` is one of BACKENDS."""
     if backend not in BACKENDS:

@@ -1,5 +1,6 @@
 """The GPU backends: the CUDA C source launched through CuPy (``cupy``) and numba.cuda kernels
-(``numba``), with the device plumbing they share (``_device``)."""
+(``numba``), with the device plumbing they share (``_staging``, ``_flag``, ``_capture``) and
+the one hook the plans and the API call (``_device``, reached as ``backends.device()``)."""
 
 import numpy as np
 

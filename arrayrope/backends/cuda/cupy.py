@@ -20,7 +20,9 @@ from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
 from . import level_arguments
-from ._device import error_flag, hold, kept, on_device
+from ._capture import hold
+from ._flag import error_flag
+from ._staging import kept, on_device
 
 LANES = 32
 WARPS_PER_BLOCK = 8

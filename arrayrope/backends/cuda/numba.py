@@ -17,7 +17,8 @@ import numpy as np
 from ..._errors import BackendUnavailableError, RopeValueError
 from .._geometry import flat_view, geometry, rows, tail_mask
 from . import level_arguments
-from ._device import error_flag, on_device
+from ._flag import error_flag
+from ._staging import on_device
 
 try:
     # A module global, not a closure variable: the simulator swaps the kernels' global ``cuda``
