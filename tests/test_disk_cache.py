@@ -61,3 +61,25 @@ def test_a_damaged_kernel_cache_is_dropped_and_rebuilt(tmp_path, damage):
     again, warned = _run(tmp_path, cache)  # the entries were saved anew
     np.testing.assert_array_equal(again, expected)
     assert not warned
+
+
+def test_entries_are_keyed_to_every_source_of_the_kernels(tmp_path):
+    # A kernel's compiled code also holds the helpers it inlines from the other modules of its
+    # folder, which Numba's stamp (the defining file's time and size) does not see: the stamp
+    # of each entry holds a digest of every source file there, which any edit changes.
+    import shutil
+
+    from arrayrope.backends.cpu import _config, _disk_cache, _rows
+
+    if not _config.DISK_CACHE:
+        pytest.skip("the disk cache is off in this configuration")
+    folder = os.path.dirname(os.path.abspath(_rows.__file__))
+    digest = _disk_cache.sources_digest(folder)
+    for kernel in _rows.KERNELS.values():
+        assert kernel._cache._cache_file._source_stamp[1] == digest
+    copy = tmp_path / "cpu"
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _disk_cache.sources_digest(copy) == digest
+    helper = copy / "_convert.py"
+    helper.write_text(helper.read_text() + "\n")
+    assert _disk_cache.sources_digest(copy) != digest

@@ -5,8 +5,14 @@ folder shared between machines); Numba then raises from the unpickling of every 
 that kernel. Here a load that fails is a miss: the entry's index is removed and the kernel
 compiles and is saved anew. A save that fails leaves the kernel compiled in memory. Each
 folder warns once.
+
+Numba keeps an entry while the file that defines the kernel keeps its time stamp and size, but
+a kernel's code also comes from the helpers it inlines from the other modules of this folder;
+an entry here is kept only while every source file of the folder is unchanged (a digest of
+their contents joins the stamp), so a changed helper never runs as its old compiled self.
 """
 
+import hashlib
 import os
 import warnings
 
@@ -58,9 +64,27 @@ def _warn(cache, error, what):
     )
 
 
+def sources_digest(folder):
+    """A digest of the names and contents of the Python files in ``folder``."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
 def guard(*modules):
-    """Guard the disk cache of every Numba dispatcher defined in ``modules``."""
+    """Guard the disk cache of every Numba dispatcher defined in ``modules``, and key its
+    entries to the sources of the modules' folders."""
+    digests = {}
     for module in modules:
+        folder = os.path.dirname(os.path.abspath(module.__file__))
+        if folder not in digests:
+            digests[folder] = sources_digest(folder)
         for value in vars(module).values():
             if isinstance(value, Dispatcher) and isinstance(value._cache, FunctionCache):
+                index = getattr(value._cache, "_cache_file", None)
+                if index is not None and hasattr(index, "_source_stamp"):
+                    index._source_stamp = (index._source_stamp, digests[folder])
                 value._cache = _Tolerant(value._cache)
