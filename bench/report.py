@@ -59,6 +59,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
     context sweep (prefill rows, decode steps) and the shape matrix, as bench.py makes them."""
     frameworks, accuracy, (prefill, decode_at), matrix = measured
+    revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     figures = _plots(folder, sweep, frameworks, accuracy)
@@ -68,7 +69,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "# arrayrope performance",
         "",
         f"Written by `python bench/bench.py --write {os.path.relpath(path)}` on {date}, "
-        f"arrayrope at {_revision()}. Each figure is measured in this run; ratios compare "
+        f"arrayrope at {revision}. Each figure is measured in this run; ratios compare "
         "against a ceiling measured alongside it, alternating, so that a shared machine's "
         "slow minutes fall on both.",
         "",
