@@ -130,8 +130,9 @@ def rotate_qk(
         buffer.
     pos : int, float, array or None
         Positions broadcastable to both leading shapes; None gives each 0..T-1 along axis -2.
-    style : {"interleaved", "half"}
-        Pairs (x[2i], x[2i+1]) or (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
+    base, style, rotary_dim, scaling
+        The RoPE's configuration, as in :class:`RoPE`; style "interleaved" pairs (x[2i],
+        x[2i+1]), "half" pairs (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
     inverse : bool
         Rotate by -angle (the transpose).
     out : (q_out, k_out), optional
@@ -146,7 +147,8 @@ def rotate_qk(
     Raises
     ------
     RopeValueError, RopeTypeError
-        For bad input, naming the argument and the value; nothing is written unless both are.
+        For bad input, naming the argument and the value; both are checked before either is
+        written.
 
     Examples
     --------

@@ -11,7 +11,8 @@ Two launch strategies:
   and overlap before writing, and hands anything else back to the plan's general twin;
 - :class:`GeneralPlan`: every other call, on every backend: positions resolved into table rows,
   operands shaped for the kernels' flat views (through temporaries where a kernel cannot
-  address an array), one launch for q and k.
+  address an array), one launch for q and k. NumPy calls whose positions reach past the cache
+  take the routes of ``_past_cap``.
 """
 
 import numpy as np
@@ -261,7 +262,8 @@ class GeneralPlan:
             operands.append(self.operand(x, out, idx, same, write_back))
         if operands:
             if self.device_checked:  # rows past the table are the kernel's to compute
-                self.launch(self.spec, operands, cos, sin, inverse, freqs=tables, capture=capture)
+                freqs = tables if resolved[0][2] is None else None  # device positions only
+                self.launch(self.spec, operands, cos, sin, inverse, freqs=freqs, capture=capture)
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
         for temp, out in write_back:

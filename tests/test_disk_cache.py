@@ -69,13 +69,14 @@ def test_entries_are_keyed_to_every_source_of_the_kernels(tmp_path):
     # of each entry holds a digest of every source file there, which any edit changes.
     import shutil
 
-    from arrayrope.backends.cpu import _config, _disk_cache, _rows
+    from arrayrope.backends.cpu import _angles, _config, _disk_cache, _rows
 
     if not _config.DISK_CACHE:
         pytest.skip("the disk cache is off in this configuration")
     folder = os.path.dirname(os.path.abspath(_rows.__file__))
     digest = _disk_cache.sources_digest(folder)
-    for kernel in _rows.KERNELS.values():
+    kernels = [*_rows.KERNELS.values(), *_rows.FILLED_KERNELS.values(), _angles.fill_rows]
+    for kernel in kernels:
         assert kernel._cache._cache_file._source_stamp[1] == digest
     copy = tmp_path / "cpu"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("__pycache__"))

@@ -134,7 +134,7 @@ LAYOUTS = [
 def route(request, monkeypatch):
     """Large calls past the cap: rows filled inside the direct path's kernel, or (multi-axis
     RoPEs, layouts the direct path refuses) per-call rows a block of positions at a time.
-    Yields what each call of the filled route returned, or None for the blocks."""
+    Returns the list of what each call of the filled route returned, or None for the blocks."""
     calls = []
     filled = _past_cap.filled
     if request.param == "blocks":
@@ -161,7 +161,7 @@ THREADS_AND_STORES = [(1 << 40, 1 << 40), (0, 1 << 40), (0, 0)]
     st.sampled_from(LAYOUTS),
     st.sampled_from(DTYPES),
     st.sampled_from(["interleaved", "half"]),
-    st.sampled_from([16, 10]),
+    st.sampled_from([16, 10, 8]),
     st.sampled_from(["fresh", "out", "in place", "rotate_qk"]),
     st.sampled_from(THREADS_AND_STORES),
     st.booleans(),
@@ -207,6 +207,25 @@ def test_large_calls_past_the_cache(
     )
     if route is not None:
         assert route == [direct]
+
+
+def test_filled_route_takes_grouped_heads_temporaries_and_positions_per_head(rng):
+    # rotate_qk with fewer k heads, an out the kernels reach through a temporary (its feature
+    # axis strided) and written back, and positions that vary along the heads (no axis to
+    # move innermost): every row its own fill
+    rope = ar.RoPE(16, style="half", rotary_dim=8, max_positions=8)
+    q = rng.standard_normal((2, 4, 50, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 50, 16)).astype(np.float32)
+    pos = rng.integers(0, 2**31, 50)
+    q_out = np.full((2, 4, 16, 50), np.nan, np.float32).transpose(0, 1, 3, 2)
+    k_out = poisoned(k.shape, k.dtype)
+    per_head = rng.integers(0, 2**31, (2, 4, 50))
+    with _config.override(small_below=0):
+        rope.rotate_qk(q, k, pos, out=(q_out, k_out))
+        by_head = rope.rotate(q, per_head)
+    assert_matches(q_out, oracle(q, pos, style="half", rotary_dim=8), q)
+    assert_matches(k_out, oracle(k, pos, style="half", rotary_dim=8), k)
+    assert_matches(by_head, oracle(q, per_head, style="half", rotary_dim=8), q)
 
 
 @pytest.mark.usefixtures("small_blocks")

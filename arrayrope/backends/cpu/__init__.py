@@ -4,7 +4,9 @@ Two launch strategies, chosen by the plan:
 - rows (``_decode.rows_kernel``): one thread, the arrays taken as they are, for decode- and
   prefill-sized inputs with one position axis and positions in a row pattern;
 - general (:func:`launch`): flat views and operand geometry, q and k in one call, on one thread
-  or in parallel tasks, with streaming or plain stores, multi-axis tables gathered per entry.
+  or in parallel tasks, with streaming or plain stores, multi-axis tables gathered per entry;
+  :func:`launch_filled` is its direct path for positions past the cache, each position's row
+  made in the kernel.
 """
 
 import numba
@@ -101,8 +103,7 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     if not STREAMING or not direct_path(spec, operands, segments, row[0], row[1]):
         return 0
     g = geometry(operands, flat=True)
-    written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    stream = DIRECT if written > 0 and written >= _config.CONFIG.stream_above else VECTOR
+    stream = DIRECT if _streams(operands) else VECTOR
     args = _flat_operands(operands, stream) + (g, levels, inv_freq, segments)
     args += (spec.rotary_dim, operands[0][0].shape[-1], spec.half_style, inverse, scale)
     rows = _rows_of(operands)
@@ -114,14 +115,18 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
 
 def _stream(spec, operands, segments, cos, sin):
     """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT or VECTOR."""
-    config = _config.CONFIG
     if not STREAMING:
         return 0
-    written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    large = written > 0 and written >= config.stream_above
-    if (large or config.vector_rows) and direct_path(spec, operands, segments, cos, sin):
+    large = _streams(operands)
+    if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
     return SCRATCH if large else 0
+
+
+def _streams(operands):
+    """Whether the results are large enough for streaming stores (see Config.stream_above)."""
+    written = sum(out.nbytes for x, out, _ in operands if out is not x)
+    return written > 0 and written >= _config.CONFIG.stream_above
 
 
 def _flat_operands(operands, stream):

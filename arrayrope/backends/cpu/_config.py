@@ -47,7 +47,8 @@ class Config:
     # may still be in cache when they are used next, which streaming would forfeit.
     stream_above: int
     # Aligned outputs below stream_above, and arrays rotated in place, take the direct path's
-    # vector loop with plain stores; off, they take the general row loop.
+    # vector loop with plain stores; off, they take the general row loop (positions past the
+    # cache take the direct path either way: see launch_filled).
     vector_rows: bool
 
     @classmethod

@@ -14,15 +14,13 @@ from numba.extending import overload
 from ._angles import fill_row, filling
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._runs import run_start
-from ._simd import address, copy_16, half_step, pair_step, store_fence
+from ._simd import address, copy_bytes, half_step, pair_step, store_fence
 
-# Rows per block in the direct path where rows have a tail: the block's tails are copied
-# after its rows are rotated. One: each row's tail right after its rotated part, so that x and o
-# are both read and written in order. With a block of 16 rows (4 KiB of float32 rows of 64), the
-# rotated parts touch one line in four and the tails come back for the rest: out of cache that
-# runs at half the speed of a copy with plain stores (a copy in the same two passes does too),
-# and with streaming stores a line split between a rotated part and its tail leaves the
-# write-combining buffer before it is whole (a third of the speed where o is not 64-byte aligned).
+# Rows per block in the direct path where rows have a tail: a block's tails are copied after
+# its rows are rotated. One: each row's tail right after its rotated part, so that x and o are
+# read and written in address order. Over a larger block the rotated parts skip lines that the
+# tails come back for, which the memory system serves poorly out of cache, and a line split
+# between a rotated part and its tail leaves the write-combining buffer before it is whole.
 _TAIL_BLOCK_ROWS = 1
 
 # Bytes per step of the tail copy while a row's tail has that many left (then 16)
@@ -57,8 +55,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     half_steps = tuple(half_step(w, nontemporal) for w in widths)
     pair_steps = tuple(pair_step(w, nontemporal) for w in widths)
     wide_bytes = widths[0]
-    copy_16_bytes = copy_16(nontemporal)
-    copy_step = copy_16(nontemporal, _TAIL_STEP_BYTES)
+    copy_16 = copy_bytes(nontemporal, 16)
+    copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES)
 
     def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
         """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
@@ -97,10 +95,11 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
         # Each row's loop is written out here, not called as an inlined helper: the helper's
         # array arguments, and table rows taken as views (cos[p]), cost reference-count calls
         # per row. The table row starts at the flat offset tb (cos and sin alike). One loop per
-        # layout, and the tails copied in a loop of their own, a block of rows at a time: with
-        # the layout test or the tail inside the row loop, LLVM keeps the loop's registers on the
-        # stack. The loop over runs is in the same function: a function Numba compiles on its
-        # own is optimized and emitted by LLVM once more in each caller's library.
+        # layout (with the layout test inside the row loop, LLVM keeps the loop's registers on
+        # the stack), and the tails copied in a loop of their own per block of rows (see
+        # _TAIL_BLOCK_ROWS). The loop over runs is in the same function: a function Numba
+        # compiles on its own is optimized and emitted by LLVM once more in each caller's
+        # library.
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
             if first >= stop:
                 return
@@ -171,8 +170,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                                     x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
                                 )
                     if width > rotary_dim:
-                        # unsigned while loops: a range with a step here compiled into a loop
-                        # that costs as much per row in cache as the row's rotation
+                        # unsigned while loops: LLVM keeps a range with a runtime step here as a
+                        # loop that spills its registers
                         step = np.uint64(_TAIL_STEP_BYTES // o.itemsize)
                         step_16 = np.uint64(16 // o.itemsize)
                         end = np.uint64(width)
@@ -184,7 +183,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                                 copy_step(x, xr + t, o, orow + t)
                                 t += step
                             while t < end:
-                                copy_16_bytes(x, xr + t, o, orow + t)
+                                copy_16(x, xr + t, o, orow + t)
                                 t += step_16
             if nontemporal:
                 store_fence()

@@ -5,6 +5,7 @@ one-thread kernels of _rows, on Numba's threads.
 import numba
 import numpy as np
 from numba import config, njit, prange, types
+from numba.core.errors import NumbaError
 
 from ..._cache import Bounded
 from ._config import DISK_CACHE, run_parallel
@@ -124,7 +125,7 @@ def launch_parallel(kernel, args, scratch, total):
         if found is None:
             try:
                 found = _parallel_entries.put(key, _pointer_entry(kernel, args, scratch))
-            except (AttributeError, KeyError):  # the internals moved
+            except (AttributeError, KeyError, NumbaError):  # the internals moved
                 FUNCTION_POINTERS = False
         if found is not None:
             entry, address = found

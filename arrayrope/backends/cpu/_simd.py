@@ -272,7 +272,7 @@ def _bfloat16_codegen(nbytes, nontemporal, aligned):
     return codegen
 
 
-def copy_16(nontemporal, nbytes=16):
+def copy_bytes(nontemporal, nbytes):
     """An intrinsic: o[oa...] = x[xa...], ``nbytes`` bytes (16, 32 or 64), with streaming stores
     (o[oa] 16-byte aligned) or a plain one."""
 

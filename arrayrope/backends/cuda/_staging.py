@@ -20,15 +20,20 @@ from ..._positions import is_default
 from ._capture import capturing
 
 _kept = Bounded(512)
+# The level tables of rows past a device's table (4.5 MiB at rotary_dim 128), by frequencies:
+# few, so that frequency sets made per length (DynamicNTK) do not pile them up on a device.
+_levels = Bounded(8)
 _ZERO = np.zeros((1, 1), dtype=np.int64)
 
 
 def on_device(cupy, device, key, host):
-    """``host`` (a small NumPy array, or a function that makes it, called only when needed) on
-    device ``device`` (an id; the current one), copied the first time ``key`` is asked for
-    there. ``key`` must identify the contents."""
+    """``host`` (a NumPy array made once, or a function that makes it, called only when needed)
+    on device ``device`` (an id; the current one), copied the first time ``key`` is asked for
+    there. ``key`` must identify the contents; keys starting with "levels" (level tables) are
+    kept in a store of their own, of a few entries."""
+    store = _levels if key[0] == "levels" else _kept
     key = (device, key)
-    found = _kept.get(key)
+    found = store.get(key)
     if found is None:
         if capturing(cupy):  # the copy would be a node of the graph, not run now
             raise RopeValueError(
@@ -36,7 +41,7 @@ def on_device(cupy, device, key, host):
                 "arrayrope has not copied to the device yet (launch geometry, default "
                 "positions): make the same call once before capturing"
             )
-        found = _kept.put(key, cupy.asarray(host() if callable(host) else host))
+        found = store.put(key, cupy.asarray(host() if callable(host) else host))
     return found
 
 

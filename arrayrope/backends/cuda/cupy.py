@@ -210,7 +210,8 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
         flag = error_flag(cupy, device)[0]
         name, grid, block, args = launch_plan(spec, operands, tables, inverse, freqs, flag, place)
         if capture:  # arrayrope's arrays the graph reads: kept positions, and from args[6] on
-            # g, the tables, pair axes, frequencies and the flag (the rest are scalars)
+            # g, the tables, pair axes, frequencies, level tables and the flag (the rest are
+            # scalars)
             hold(cupy, [a for a in (args[2], args[5]) if kept(a)] + list(args[6:]))
         _function(cupy, device, name)(grid=grid, block=block, args=args)
     global last_entry

@@ -112,8 +112,9 @@ def _kernel(bf16_bits, half_style, compute):
     @cuda.jit(device=True, inline=True)
     def past_table(p, j, inv_freq, levels, scale):
         """cos and sin of pair j at position p in [0, 2**31) past the table: the CPU's formula
-        (backends/cpu/_angles.py), operation for operation, from the level tables ``levels``
-        (2, LEVEL_ROWS, n_pairs), rounded once to the compute type; no cos or sin."""
+        (backends/cpu/_angles.py) from the level tables ``levels`` (2, LEVEL_ROWS, n_pairs),
+        rounded once to the compute type; no cos or sin. (On a GPU, NVVM may fuse products
+        into FMAs: a last bit may differ from the CPU's.)"""
         h = p >> 22
         k = (p >> 11) & 2047
         low = p & 2047
@@ -275,7 +276,7 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
 
         device = x0.device.id
 
-        def kept(key, a):  # small host arrays: copied once per device, not per call
+        def kept(key, a):  # host arrays made once: copied once per device, not per call
             return on_device(cupy, device, key, a)
 
         flag = error_flag(cupy, device)[0]
