@@ -153,6 +153,18 @@ def _fill_row_impl(source, m):
 
 
 @njit(inline="always")
+def table_row(source, p, last, stride):
+    """(flat offset of the table row of a row at position or table row ``p``, the position
+    ``source`` now holds): with ``source`` None, p's row of a table of row stride ``stride``;
+    else row 0 of source's buffer, filled where p is not ``last``, the position it holds."""
+    if filling(source):
+        if p != last:
+            fill_row(source, p)
+        return np.uint64(0), p
+    return np.uint64(p) * stride, last
+
+
+@njit(inline="always")
 def _valid(positions):
     """Whether every position is in [0, 2**31)."""
     for r in range(positions.shape[0]):

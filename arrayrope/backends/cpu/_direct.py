@@ -11,7 +11,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._angles import fill_row, filling
+from ._angles import table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._runs import run_start
 from ._simd import address, copy_bytes, half_step, pair_step, store_fence
@@ -124,13 +124,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                     if half:
                         for r in range(lo, hi):
                             p = idx[np.uint64(pb + r * sp + axis)]
-                            if filling(source):
-                                if p != last:
-                                    fill_row(source, p)
-                                    last = p
-                                tb = np.uint64(0)
-                            else:
-                                tb = np.uint64(p) * stride
+                            tb, last = table_row(source, p, last, stride)
                             xr = np.uint64(xb + r * sx)
                             orow = np.uint64(ob + r * so)
                             j = np.uint64(0)
@@ -145,13 +139,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                     else:
                         for r in range(lo, hi):
                             p = idx[np.uint64(pb + r * sp + axis)]
-                            if filling(source):
-                                if p != last:
-                                    fill_row(source, p)
-                                    last = p
-                                tb = np.uint64(0)
-                            else:
-                                tb = np.uint64(p) * stride
+                            tb, last = table_row(source, p, last, stride)
                             xr = np.uint64(xb + r * sx)
                             orow = np.uint64(ob + r * so)
                             j = np.uint64(0)
