@@ -156,7 +156,8 @@ THREADS_AND_STORES = [(1 << 40, 1 << 40), (0, 1 << 40), (0, 0)]
 
 
 @pytest.mark.usefixtures("small_blocks")
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # route: reset per example
+# route is reset per example; 20 examples: each new combination compiles a kernel variant
+@settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.sampled_from(LAYOUTS),
     st.sampled_from(DTYPES),
