@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from . import _arrays
+import numpy as np
+
+from . import _arrays, _interop
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import with_head_axis
 from .rope import Array, Positions, RoPE
 from .scaling import ScalingRule
 
 # The RoPEs the module-level functions share, by (head_dim, base, style, rotary_dim, scaling):
 # a decode step finds its RoPE with one dictionary lookup.
 _shared = Bounded(64)
+_NDARRAY = np.ndarray
 
 
 def shared_rope(head_dim, base, style, rotary_dim, scaling):
@@ -88,6 +92,13 @@ def rotate(
     >>> ar.rotate(q, style="half")[0, 0, 1]               # position 1
     array([-0.30116868,  0.9899502 ,  1.3817732 ,  1.0099498 ], dtype=float32)
     """
+    if type(x) is not _NDARRAY and _interop.torch_ops_wanted(x, pos, out):
+        # torch traces this call: the RoPE is found outside the trace, the ops do the rest
+        _head_dim("x", x)
+        key = _interop.torch_ops().shared_key(base, style, rotary_dim, scaling)
+        if head_axis is not None:
+            pos = with_head_axis(pos, head_axis, x, 1)
+        return _interop.torch_ops().rotate(key, x, pos, inverse, out, backend, seq_len)
     try:
         rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):  # the slow way below says what is wrong
@@ -158,6 +169,12 @@ def rotate_qk(
     >>> bool(np.allclose(q_rot[0, 0], k_rot[0, 0]))
     True
     """
+    if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, k, pos, out):
+        _head_dim("q", q)
+        key = _interop.torch_ops().shared_key(base, style, rotary_dim, scaling)
+        if head_axis is not None:
+            pos = with_head_axis(pos, head_axis, q, 1)
+        return _interop.torch_ops().rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
     try:
         rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):

@@ -8,6 +8,9 @@ only what depends on values and addresses. NumPy arrays with int, None or NumPy 
 the shortest way to the key, written out in :meth:`Engine.rotate` for a decode step's sake.
 """
 
+import itertools
+import weakref
+
 import numpy as np
 
 from . import _arrays, _interop, _plan, _positions
@@ -58,12 +61,29 @@ def _outs_key(xs, outs):
     return key[0] if len(xs) == 1 else tuple(key)
 
 
+# Every engine by its key: the integer that torch operators name a RoPE by (_torch_ops). Weak,
+# so that a RoPE lives only as long as its owners keep it.
+_keys = itertools.count()
+_by_key = weakref.WeakValueDictionary()
+
+
+def engine_of(key):
+    """The engine of ``key`` (see Engine.key)."""
+    engine = _by_key.get(key)
+    if engine is None:
+        raise RopeValueError(
+            f"no RoPE has key {key} in this process: the RoPE a traced or exported call was "
+            "made with is gone (keep a reference to it while its compiled code runs)"
+        )
+    return engine
+
+
 class Engine:
     """Plans and the one path for the calls on one RoPE (``spec``, and ``freq_set(seq_len)``
     giving the frequencies and tables for a length). ``owner`` is the RoPE, which Dask graphs
     carry to their workers, and ``mode`` names this engine among its (rotate, shift, undo)."""
 
-    __slots__ = ("spec", "freq_set", "owner", "mode", "plans")
+    __slots__ = ("spec", "freq_set", "owner", "mode", "plans", "key", "__weakref__")
 
     def __init__(self, spec, freq_set, owner, mode):
         self.spec = spec
@@ -71,6 +91,8 @@ class Engine:
         self.owner = owner
         self.mode = mode
         self.plans = Bounded(256)
+        self.key = next(_keys)
+        _by_key[self.key] = self
 
     def rotate(self, x, pos, inverse, out, backend, seq_len):
         if type(x) is _NDARRAY:
@@ -95,6 +117,8 @@ class Engine:
                 plan = self.plans.get(key)
                 if plan is not None:
                     return plan.rotate(x, pos, inverse, out, seq_len)
+        elif _interop.torch_ops_wanted(x, pos, out):
+            return _interop.torch_ops().rotate(self.key, x, pos, inverse, out, backend, seq_len)
         elif out is None or out is x:
             adopt = _interop.fast_adopter(type(x))
             found = None if adopt is None else adopt(x)
@@ -106,9 +130,16 @@ class Engine:
                     self.rotate(native, pos, inverse, native, backend, seq_len)
                     return x
         outs = None if out is None else (out,)
+        if _interop.jax_traced(x, pos):
+            return _interop.jax_ops().rotate(self.key, (x,), pos, inverse, outs, backend,
+                                             seq_len)[0]  # fmt: skip
         return self.run((x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos, inverse, out, backend, seq_len):
+        if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, k, pos, out):
+            return _interop.torch_ops().rotate_qk(
+                self.key, q, k, pos, inverse, out, backend, seq_len
+            )
         if out is None and type(q) is type(k) and type(q) is not _NDARRAY:
             adopt = _interop.fast_adopter(type(q))
             found = None if adopt is None else (adopt(q), adopt(k))
@@ -146,6 +177,8 @@ class Engine:
                     f"out must be None or a pair (q_out, k_out), got {type(out).__name__}"
                 )
             out = tuple(out)
+        if _interop.jax_traced(q, k, pos):
+            return _interop.jax_ops().rotate(self.key, (q, k), pos, inverse, out, backend, seq_len)
         return self.run((q, k), pos, inverse, out, backend, seq_len)
 
     def run(self, xs, pos, inverse, outs, backend, seq_len):
@@ -169,8 +202,6 @@ class Engine:
             return _interop.rotate_dask(
                 self.owner, self.mode, xs, pos, inverse, outs, backend, seq_len
             )
-        if outs is None and _interop.requires_grad(xs):
-            return _interop.rotate_with_grad(self, xs, pos, inverse, backend, seq_len)
         natives, restores = [], []
         for name, x in zip(names, xs):
             if _arrays.family(x):

@@ -75,12 +75,7 @@ def adopt(name, a, written=False):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
     if framework == "torch":
-        if a.requires_grad:
-            raise RopeValueError(
-                f"{name} requires grad: it can be rotated into a new tensor (autograd then runs "
-                "the transpose backward), not written through out="
-            )
-        a = _resolve_lazy_bits(name, a, written)
+        a = _resolve_lazy_bits(name, a.detach(), written)  # autograd calls take the operators
     device_type = int(a.__dlpack_device__()[0])
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
     try:
@@ -167,46 +162,48 @@ def framework_stream(arrays):
     return contextlib.nullcontext()
 
 
-def requires_grad(xs):
-    """Whether any of ``xs`` is a torch tensor that autograd tracks."""
-    return any(_framework(x) == "torch" and getattr(x, "requires_grad", False) for x in xs)
+_torch_ops = None
 
 
-def rotate_with_grad(engine, xs, pos, inverse, backend, seq_len):
-    """torch tensors that require grad, rotated by arrayrope with autograd attached: the
-    backward pass of ``y = rotate(x)`` is ``rotate(grad, inverse=not inverse)``, the transpose,
-    scaling included."""
-    function = _autograd_function()
-    return tuple(
-        function.apply(x, engine, pos, inverse, backend, seq_len)
-        if getattr(x, "requires_grad", False)
-        else engine.run((x,), pos, inverse, None, backend, seq_len)[0]
-        for x in xs
-    )
+def torch_ops():
+    """arrayrope._torch_ops, which imports torch and registers the operators: loaded once a
+    torch tensor needs it."""
+    global _torch_ops
+    if _torch_ops is None:
+        from . import _torch_ops as module
+
+        _torch_ops = module
+    return _torch_ops
 
 
-_functions = {}
+def torch_ops_wanted(x, *rest):
+    """Whether ``x`` is a torch tensor whose call must go through arrayrope's torch
+    operators (``rest``: the call's other arrays, see _torch_ops.wanted)."""
+    if type(x).__module__[:5] != "torch":
+        return False
+    if isinstance(rest[-1], (tuple, list)):
+        rest = rest[:-1] + tuple(rest[-1])
+    return (_torch_ops or torch_ops()).wanted(x, *rest)
 
 
-def _autograd_function():
-    found = _functions.get("torch")
-    if found is None:
-        torch = sys.modules["torch"]
+_jax_ops = None
 
-        class Rotate(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, engine, pos, inverse, backend, seq_len):
-                ctx.call = (engine, pos, inverse, backend, seq_len)
-                return engine.run((x.detach(),), pos, inverse, None, backend, seq_len)[0]
 
-            @staticmethod
-            def backward(ctx, grad):
-                engine, pos, inverse, backend, seq_len = ctx.call
-                back = engine.run((grad.contiguous(),), pos, not inverse, None, backend, seq_len)
-                return back[0], None, None, None, None, None
+def jax_ops():
+    """arrayrope._jax_ops, which imports JAX and registers the primitive: loaded once a traced
+    JAX array needs it."""
+    global _jax_ops
+    if _jax_ops is None:
+        from . import _jax_ops as module
 
-        found = _functions["torch"] = Rotate
-    return found
+        _jax_ops = module
+    return _jax_ops
+
+
+def jax_traced(*arrays):
+    """Whether one of ``arrays`` is a JAX tracer (an array inside jit, grad, vmap, ...)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 _fast = Bounded(64)
@@ -232,7 +229,7 @@ def _make_fast_adopter(kind):
         from_numpy = torch.from_numpy
 
         def from_torch(t):
-            if not t.is_cpu or t.requires_grad:
+            if not t.is_cpu:
                 return None
             try:
                 if t.dtype is bfloat16:
@@ -241,14 +238,18 @@ def _make_fast_adopter(kind):
                     bits = t.view(torch.int16).numpy()
                     return bits.view(sys.modules["ml_dtypes"].bfloat16), back
                 return t.numpy(), from_numpy
-            except (RuntimeError, TypeError):  # a tensor NumPy cannot view (conjugate bit, ...)
+            except (RuntimeError, TypeError):  # one NumPy cannot view (conjugate bit, grad)
                 return None
 
         return from_torch
     if framework in ("jax", "jaxlib"):
         jnp = sys.modules["jax"].numpy
 
+        tracer = sys.modules["jax"].core.Tracer
+
         def from_jax(a):
+            if isinstance(a, tracer):
+                return None
             devices = a.devices()
             if len(devices) != 1 or next(iter(devices)).platform != "cpu":
                 return None

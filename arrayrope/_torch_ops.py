@@ -1,0 +1,498 @@
+"""arrayrope's rotation as PyTorch operators, for the torch code that torch itself traces.
+
+torch.compile, torch.export, the torch.func transforms (grad, vjp, jacrev, jvp, vmap), autograd,
+and fake or meta tensors all need an operator torch knows: a Python function that reads a
+tensor's memory is a graph break to Dynamo, a crash to a fake tensor, and invisible to a
+transform. So the rotation is registered with ``torch.library`` as ``arrayrope::rotate`` and
+``arrayrope::rotate_qk`` (new results), with ``rotate_`` / ``rotate_qk_`` (in place) and
+``rotate_out`` / ``rotate_qk_out`` (into given tensors), each with a fake kernel, and the new
+ones with their autograd formula (the transpose rotation) and a vmap rule.
+
+A call reaches these operators when torch is tracing or transforming, when autograd records it,
+or when a tensor is fake, meta or a subclass (:func:`wanted`); a plain tensor outside all of
+that takes the path every array takes, with no operator in between. Inside an operator, the
+kernels run on plain views of the tensors' memory, as an eager call does.
+
+A RoPE reaches an operator as an integer: its engine's key in this process (``_dispatch``), or
+for the module-level functions a negative key of their configuration (:func:`shared_key`).
+Positions reach it as a tensor, an int or a float, whichever the caller gave. Exported programs
+hold the key, so they run in the process that made them.
+
+This module imports torch: it is imported only once a torch tensor has been seen.
+"""
+
+import torch
+
+from . import _dispatch, _interop
+from ._errors import RopeTypeError, RopeValueError
+
+_NAMESPACE = "arrayrope"
+_Tensor = torch.Tensor
+
+
+_compiling = torch.compiler.is_compiling
+_transforms = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._get_tracing_state
+_grad = torch.is_grad_enabled
+_forward_ad = torch.autograd.forward_ad
+
+
+def wanted(*args):
+    """Whether a call on torch tensors (``args``: the operands, positions and outs, any of
+    them None or not a tensor) must go through the operators: torch is compiling, exporting,
+    transforming or tracing it, autograd records it, or one of the tensors is fake, meta or of
+    a subclass."""
+    if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
+        return True
+    if _forward_ad._current_level >= 0:  # dual tensors may carry tangents
+        return True
+    for t in args:
+        if isinstance(t, _Tensor) and (
+            type(t) is not _Tensor or t.is_meta or t.requires_grad and _grad()
+        ):
+            return True
+    return False
+
+
+def _split_positions(pos):
+    """``pos`` as the operators' three position arguments: (tensor, int, float), one set."""
+    if pos is None or isinstance(pos, _Tensor):
+        if pos is not None and pos.requires_grad and torch.is_grad_enabled():
+            raise RopeValueError(
+                "pos requires grad: arrayrope differentiates with respect to x, not to the "
+                "positions; pass pos.detach()"
+            )
+        return pos, None, None
+    if isinstance(pos, bool):
+        raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
+    if isinstance(pos, int) or type(pos).__name__.startswith(("int", "uint")):
+        return None, int(pos), None
+    if isinstance(pos, float) or type(pos).__name__.startswith("float"):
+        return None, None, float(pos)
+    raise RopeTypeError(
+        "pos must be a torch tensor, an int, a float or None when torch traces the call, got "
+        f"{type(pos).__name__}"
+    )
+
+
+def _positions(pos, pos_int, pos_float):
+    if pos is not None:
+        pos = _interop._resolve_lazy_bits("pos", pos.detach(), False)
+        return pos.numpy() if pos.device.type == "cpu" else pos
+    return pos_int if pos_int is not None else pos_float
+
+
+def _native(t, name="x", written=False):
+    """A plain view of ``t``'s memory for the kernels: NumPy on the CPU, the tensor itself
+    (adopted through DLPack on torch's stream) on a GPU. A lazy negation is resolved first
+    (refused where ``t`` is written)."""
+    t = _interop._resolve_lazy_bits(name, t.detach(), written)
+    if t.device.type != "cpu":
+        return t
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len):
+    """The kernels of engine ``key`` on plain views of ``xs``, into ``outs`` (which may be
+    ``xs`` themselves)."""
+    names = ("x",) if len(xs) == 1 else ("q", "k")
+    natives = tuple(_native(x, name, any(x is o for o in outs)) for x, name in zip(xs, names))
+    native_outs = tuple(
+        n if o is x else _native(o, "out", True) for o, x, n in zip(outs, xs, natives)
+    )
+    p = _positions(pos, pos_int, pos_float)
+    _engine(key, xs[0].shape[-1]).run(natives, p, inverse, native_outs, backend, seq_len)
+
+
+def _check(key, xs):
+    """The checks a fake kernel can make: what the result's shape and dtype depend on (and,
+    for a module-level call of a known head size, that its RoPE can be made)."""
+    head_dim = xs[0].shape[-1]
+    if key >= 0 or type(head_dim) is int:
+        head_dim = _engine(key, head_dim).spec.head_dim
+    for name, x in zip(("x",) if len(xs) == 1 else ("q", "k"), xs):
+        if x.ndim == 0 or x.shape[-1] != head_dim:
+            raise RopeValueError(
+                f"{name}.shape[-1] must equal head_dim ({head_dim}), got "
+                f"{x.shape[-1] if x.ndim else 'a 0-d tensor'}"
+            )
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise RopeTypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
+            )
+
+
+def _new(x):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _define():
+    lib = torch.library
+    ns = _NAMESPACE
+    Tensor = torch.Tensor
+    Opt = Tensor | None
+
+    # The positional tail every operator shares: positions (one of three), the engine's key,
+    # inverse, backend and seq_len.
+    @lib.custom_op(f"{ns}::rotate", mutates_args=())
+    def rotate(
+        x: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> Tensor:
+        out = _new(x)
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
+        return out
+
+    @lib.custom_op(f"{ns}::rotate_", mutates_args=("x",))
+    def rotate_(
+        x: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> None:
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (x,), backend, seq_len)
+
+    @lib.custom_op(f"{ns}::rotate_out", mutates_args=("out",))
+    def rotate_out(
+        x: Tensor,
+        out: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> None:
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
+
+    @lib.custom_op(f"{ns}::rotate_qk", mutates_args=())
+    def rotate_qk(
+        q: Tensor,
+        k: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> tuple[Tensor, Tensor]:
+        q_out, k_out = _new(q), _new(k)
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
+        return q_out, k_out
+
+    @lib.custom_op(f"{ns}::rotate_qk_", mutates_args=("q", "k"))
+    def rotate_qk_(
+        q: Tensor,
+        k: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> None:
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q, k), backend, seq_len)
+
+    @lib.custom_op(f"{ns}::rotate_qk_out", mutates_args=("q_out", "k_out"))
+    def rotate_qk_out(
+        q: Tensor,
+        k: Tensor,
+        q_out: Tensor,
+        k_out: Tensor,
+        pos: Opt,
+        pos_int: int | None,
+        pos_float: float | None,
+        key: int,
+        inverse: bool,
+        backend: str,
+        seq_len: int | None,
+    ) -> None:
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
+
+    @rotate.register_fake
+    def _(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (x,))
+        return _new(x)
+
+    @rotate_qk.register_fake
+    def _(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (q, k))
+        return _new(q), _new(k)
+
+    @rotate_.register_fake
+    def _(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (x,))
+
+    @rotate_out.register_fake
+    def _(x, out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (x,))
+
+    @rotate_qk_.register_fake
+    def _(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (q, k))
+
+    @rotate_qk_out.register_fake
+    def _(q, k, q_out, k_out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (q, k))
+
+    # Autograd: y = s R(m) x is linear in x, with transpose s R(-m): the backward of a
+    # rotation is the same rotation with inverse flipped (scaling rules included), and the
+    # backward of that is the forward again. Positions get no gradient.
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[-7])  # pos (the tensor, or None)
+        ctx.rest = inputs[-6:]
+
+    def rotate_backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        pos_int, pos_float, key, inverse, backend, seq_len = ctx.rest
+        back = rotate(grad, pos, pos_int, pos_float, key, not inverse, backend, seq_len)
+        return back, None, None, None, None, None, None, None
+
+    def rotate_qk_backward(ctx, grad_q, grad_k):
+        (pos,) = ctx.saved_tensors
+        pos_int, pos_float, key, inverse, backend, seq_len = ctx.rest
+        flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
+        back_q = None if grad_q is None else rotate(grad_q, *flipped)
+        back_k = None if grad_k is None else rotate(grad_k, *flipped)
+        return back_q, back_k, None, None, None, None, None, None, None
+
+    rotate.register_autograd(rotate_backward, setup_context=setup_context)
+    rotate_qk.register_autograd(rotate_qk_backward, setup_context=setup_context)
+
+    # vmap: the batch axis goes first on every operand; batched positions get axes of size 1
+    # for the axes of x they lack, so that they still line up with x's leading shape.
+    def batched(info, x, x_dim, pos, pos_dim, pos_int, pos_float, n_axes):
+        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+        if pos_dim is not None:
+            pos = pos.movedim(pos_dim, 0)
+            per_example = pos.ndim - 1 - (n_axes > 1)
+            missing = (x.ndim - 2) - per_example
+            if missing > 0:
+                pos = pos.reshape(pos.shape[:1] + (1,) * missing + pos.shape[1:])
+        elif pos is None and pos_int is None and pos_float is None and x.ndim == 2:
+            pos_int = 0  # None is position 0 for a 1-D x: the batch axis is not a time axis
+        return x, pos, pos_int
+
+    def rotate_vmap(info, in_dims, x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        n_axes = _engine(key, x.shape[-1]).spec.n_axes if key >= 0 else 1
+        x, pos, pos_int = batched(info, x, in_dims[0], pos, in_dims[1], pos_int, pos_float,
+                                  n_axes)  # fmt: skip
+        return rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len), 0
+
+    def rotate_qk_vmap(info, in_dims, q, k, pos, pos_int, pos_float, key, inverse, backend,
+                       seq_len):  # fmt: skip
+        n_axes = _engine(key, q.shape[-1]).spec.n_axes if key >= 0 else 1
+        q_dim, k_dim, pos_dim = in_dims[:3]
+        q, pos_q, int_q = batched(info, q, q_dim, pos, pos_dim, pos_int, pos_float, n_axes)
+        k, pos_k, int_k = batched(info, k, k_dim, pos, pos_dim, pos_int, pos_float, n_axes)
+        rest = (pos_float, key, inverse, backend, seq_len)
+        if int_q == int_k and getattr(pos_q, "shape", None) == getattr(pos_k, "shape", None):
+            return rotate_qk(q, k, pos_q, int_q, *rest), (0, 0)
+        return (rotate(q, pos_q, int_q, *rest), rotate(k, pos_k, int_k, *rest)), (0, 0)
+
+    rotate.register_vmap(rotate_vmap)
+    rotate_qk.register_vmap(rotate_qk_vmap)
+    return torch.ops.arrayrope
+
+
+def _functions(ops):
+    """The new-result operators as autograd Functions, for torch.func's grad, vjp, jacrev and
+    jvp, which differentiate through a Function's own formulas (an operator's registered
+    autograd serves autograd and the compilers); vmap is generated from the operators'
+    rules."""
+
+    class Rotate(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+            return ops.rotate.default(x, pos, pos_int, pos_float, key, inverse, backend, seq_len)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.args = inputs[1:]
+
+        @staticmethod
+        def backward(ctx, grad):
+            pos, pos_int, pos_float, key, inverse, backend, seq_len = ctx.args
+            flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
+            return (Rotate.apply(grad, *flipped),) + (None,) * 7
+
+        @staticmethod
+        def jvp(ctx, tangent, *_):
+            return Rotate.apply(tangent, *ctx.args)
+
+    class RotateQK(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(q, k, *tail):
+            return ops.rotate_qk.default(q, k, *tail)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.args = inputs[2:]
+
+        @staticmethod
+        def backward(ctx, grad_q, grad_k):
+            pos, pos_int, pos_float, key, inverse, backend, seq_len = ctx.args
+            flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
+            back_q = None if grad_q is None else Rotate.apply(grad_q, *flipped)
+            back_k = None if grad_k is None else Rotate.apply(grad_k, *flipped)
+            return (back_q, back_k) + (None,) * 7
+
+        @staticmethod
+        def jvp(ctx, tangent_q, tangent_k, *_):
+            return Rotate.apply(tangent_q, *ctx.args), Rotate.apply(tangent_k, *ctx.args)
+
+    return Rotate, RotateQK
+
+
+# Registered on import, which runs natively even when a trace is what imports this module.
+ops = _define()
+_rotate_fn, _rotate_qk_fn = _functions(ops)
+
+
+def _transformed():
+    """Whether a torch.func transform or forward-mode AD is active outside any compiler: the
+    Functions' own formulas are what these differentiate by."""
+    return not _compiling() and (_transforms() or _forward_ad._current_level >= 0)
+
+
+def _rotated(x, tail):
+    """A new rotated tensor, through the operator or, under torch.func, its Function."""
+    if _transformed():
+        return _rotate_fn.apply(x, *tail)
+    return ops.rotate.default(x, *tail)
+
+
+# The configurations of module-level calls, by key: negative keys, so that they never meet an
+# engine's. The RoPE is the shared one of (x.shape[-1], configuration), found when the operator
+# runs: a head size can be symbolic while torch traces.
+_configs = {}
+_config_keys = {}
+
+
+def shared_key(base, style, rotary_dim, scaling):
+    """The key of a module-level call's configuration. Numbers travel as their exact float
+    hex strings: Dynamo may hold an int or float argument as a symbol, which a function run
+    at compile time cannot take, and a string of it is a constant."""
+    return _shared_key(_frozen(base), style, _frozen(rotary_dim), scaling)
+
+
+_NUMBER = "arrayrope number"
+
+
+def _frozen(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _NUMBER, isinstance(value, int), float(value).hex()
+    return value
+
+
+def _thawed(value):
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == _NUMBER:
+        number = float.fromhex(value[2])
+        return int(number) if value[1] else number
+    return value
+
+
+@torch._dynamo.assume_constant_result
+def _shared_key(base, style, rotary_dim, scaling):
+    """shared_key, checked and stored outside any trace (Dynamo runs this once per
+    configuration, at compile time, and keeps the result)."""
+    from ._api import shared_rope
+
+    base, rotary_dim = _thawed(base), _thawed(rotary_dim)
+    config = (base, style, rotary_dim, scaling)
+    key = _config_keys.get(config)
+    if key is None:
+        shared_rope(rotary_dim or 2, base, style, rotary_dim, scaling)  # checks the arguments
+        key = _config_keys[config] = -1 - len(_configs)
+        _configs[key] = config
+    return key
+
+
+def _engine(key, head_dim):
+    if key < 0 and key in _configs:
+        from ._api import shared_rope
+
+        return shared_rope(head_dim, *_configs[key])._engine
+    return _dispatch.engine_of(key)
+
+
+def _writable(name, out):
+    if out.is_leaf and out.requires_grad and _grad():
+        raise RopeValueError(
+            f"{name} is a leaf tensor that requires grad, which torch does not let an "
+            "operation write: rotate into a new tensor (autograd then runs the transpose "
+            "backward), or write under torch.no_grad()"
+        )
+
+
+def rotate(key, x, pos, inverse, out, backend, seq_len):
+    """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
+    the engine."""
+    tensor, as_int, as_float = _split_positions(pos)
+    tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
+    if out is None:
+        return _rotated(x, tail)
+    if not isinstance(out, _Tensor):
+        raise RopeTypeError(f"out must be a torch tensor like x, got {type(out).__name__}")
+    _writable("out", out)
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad) or _transformed():
+        out.copy_(_rotated(x, tail))  # autograd records the copy into out
+    elif out is x:
+        ops.rotate_.default(x, *tail)
+    else:
+        ops.rotate_out.default(x, out, *tail)
+    return out
+
+
+def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
+    """``Engine.rotate_qk``'s contract for torch tensors, through the operators."""
+    if not isinstance(k, _Tensor):
+        raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
+    tensor, as_int, as_float = _split_positions(pos)
+    tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
+    if out is None:
+        if _transformed():
+            return _rotate_qk_fn.apply(q, k, *tail)
+        return ops.rotate_qk.default(q, k, *tail)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise RopeTypeError(f"out must be None or a pair (q_out, k_out), got {type(out).__name__}")
+    q_out, k_out = out
+    if not (isinstance(q_out, _Tensor) and isinstance(k_out, _Tensor)):
+        raise RopeTypeError("out must be a pair of torch tensors like q and k")
+    _writable("out[0]", q_out)
+    _writable("out[1]", k_out)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_out, k_out))
+    if grad or _transformed():
+        q_rot, k_rot = rotate_qk(key, q, k, pos, inverse, None, backend, seq_len)
+        q_out.copy_(q_rot)
+        k_out.copy_(k_rot)
+    elif q_out is q and k_out is k:
+        ops.rotate_qk_.default(q, k, *tail)
+    elif q_out is q or k_out is k:  # one in place: as two calls, each its own kind
+        rotate(key, q, pos, inverse, q_out, backend, seq_len)
+        rotate(key, k, pos, inverse, k_out, backend, seq_len)
+    else:
+        ops.rotate_qk_out.default(q, k, q_out, k_out, *tail)
+    return q_out, k_out

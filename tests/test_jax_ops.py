@@ -1,0 +1,165 @@
+"""JAX code under jit, grad, vjp, jvp, vmap and eval_shape, through arrayrope's JAX primitive
+(arrayrope/_jax_ops.py). Every result is compared with the eager NumPy call on the same
+values, which the rest of the suite checks against the float64 oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrayrope as ar
+from arrayrope import RopeTypeError, RopeValueError
+from arrayrope.scaling import YaRN
+
+jax = pytest.importorskip("jax", reason="JAX is not installed")
+jnp = jax.numpy
+
+ROPE = ar.RoPE(16, style="half", rotary_dim=12, scaling=YaRN(4.0, 64))
+
+
+def _expected(rope, x, pos, **kwargs):
+    pos = np.asarray(pos) if hasattr(pos, "shape") else pos
+    return rope.rotate(np.asarray(x), pos, **kwargs)
+
+
+def _data(seed=0, shape=(2, 3, 5, 16), dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape).astype(dtype)), jnp.asarray(
+        rng.integers(0, 2**31 - 1, shape[-2]).astype(np.int32)
+    )
+
+
+def test_jit_matches_the_eager_call_for_each_entry():
+    x, pos = _data()
+
+    @jax.jit
+    def step(x, pos):
+        q_rot, k_rot = ar.rotate_qk(x, x[:, :1], pos, style="half")
+        return (
+            ar.rotate(x, pos, style="half"),
+            q_rot,
+            k_rot,
+            ROPE.rotate(x, 7),
+            ROPE.unrotate(ROPE.rotate(x, pos), pos),
+        )
+
+    y, q_rot, k_rot, fixed, undone = step(x, pos)
+    want = ar.rotate(np.asarray(x), np.asarray(pos), style="half")
+    np.testing.assert_array_equal(np.asarray(y), want)
+    np.testing.assert_array_equal(np.asarray(q_rot), want)
+    np.testing.assert_array_equal(np.asarray(k_rot), want[:, :1])
+    np.testing.assert_array_equal(np.asarray(fixed), _expected(ROPE, x, 7))
+    np.testing.assert_allclose(np.asarray(undone), np.asarray(x), rtol=1e-5, atol=1e-5)
+    shape = jax.eval_shape(lambda x: ROPE.rotate(x, pos), x)
+    assert shape.shape == x.shape and shape.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_jit_for_other_dtypes(dtype):
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        pytest.skip("float64 needs jax_enable_x64")
+    x, pos = _data()
+    x = x.astype(dtype)
+    got = jax.jit(lambda x, p: ROPE.rotate(x, p))(x, pos)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint16), _expected(ROPE, x, pos).view(np.uint16)
+    )
+
+
+def test_grad_vjp_and_jvp_are_the_transpose_and_the_rotation():
+    x, pos = _data(1)
+    ones = np.ones(x.shape, np.float32)
+    transpose = _expected(ROPE, ones, pos, inverse=True)
+    for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+        got = grad(lambda t: ROPE.rotate(t, pos).sum())(x)
+        np.testing.assert_allclose(np.asarray(got), transpose, rtol=1e-6, atol=1e-6)
+    y, pull = jax.vjp(lambda t: ROPE.rotate(t, pos), x)
+    np.testing.assert_array_equal(np.asarray(y), _expected(ROPE, x, pos))
+    np.testing.assert_allclose(np.asarray(pull(jnp.ones_like(x))[0]), transpose, rtol=1e-6)
+    tangent = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape).astype(np.float32))
+    _, dy = jax.jvp(lambda t: ROPE.rotate(t, pos), (x,), (tangent,))
+    np.testing.assert_allclose(np.asarray(dy), _expected(ROPE, tangent, pos), rtol=1e-6)
+    q_grad, k_grad = jax.grad(
+        lambda q, k: sum(r.sum() for r in ROPE.rotate_qk(q, k, pos)), argnums=(0, 1)
+    )(x, x[:, :1])
+    np.testing.assert_allclose(np.asarray(q_grad), transpose, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(k_grad), transpose[:, :1], rtol=1e-6, atol=1e-6)
+    # integer positions are inputs to grad too: their cotangent is float0
+    g = jax.grad(lambda t, p: ROPE.rotate(t, p).sum(), argnums=(0, 1), allow_int=True)(x, pos)
+    assert g[1].dtype == jax.dtypes.float0
+    # forward over reverse: |R x|^2 has Hessian 2 s^2 on the rotated features, 2 on the tail
+    hessian_vector = jax.jvp(jax.grad(lambda t: (ROPE.rotate(t, pos) ** 2).sum()), (x,), (x,))
+    scale = np.where(np.arange(16) < ROPE.rotary_dim, ROPE.attention_scaling**2, 1.0)
+    np.testing.assert_allclose(np.asarray(hessian_vector[1]), 2 * np.asarray(x) * scale, rtol=1e-4)
+
+
+def test_vmap_with_shared_and_per_example_positions():
+    x, pos = _data(3)
+    per = jnp.asarray(np.random.default_rng(4).integers(0, 10**6, (2, 5)).astype(np.int32))
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda t: ROPE.rotate(t, pos))(x)), _expected(ROPE, x, pos)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda t, p: ROPE.rotate(t, p))(x, per)),
+        _expected(ROPE, x, np.asarray(per)[:, None]),
+    )
+    rows = x[:, 0, 0]  # (2, 16): one row per example
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda t, p: ROPE.rotate(t, p))(rows, per[:, 0])),
+        _expected(ROPE, rows, per[:, 0]),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda t: ROPE.rotate(t))(rows)), _expected(ROPE, rows, 0)
+    )
+    q_rot, k_rot = jax.vmap(lambda q, k, p: ROPE.rotate_qk(q, k, p))(x, x[:, :1], per)
+    np.testing.assert_array_equal(np.asarray(q_rot), _expected(ROPE, x, np.asarray(per)[:, None]))
+    np.testing.assert_array_equal(
+        np.asarray(k_rot), _expected(ROPE, x[:, :1], np.asarray(per)[:, None])
+    )
+    batched_grad = jax.vmap(jax.grad(lambda t: ROPE.rotate(t, pos).sum()))(x[None].repeat(3, 0))
+    np.testing.assert_allclose(
+        np.asarray(batched_grad)[1],
+        _expected(ROPE, np.ones(x.shape, np.float32), pos, inverse=True),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_errors_under_jit():
+    x, pos = _data()
+    with pytest.raises(RopeValueError, match="head_dim"):
+        jax.jit(lambda t: ROPE.rotate(t[..., :8], pos))(x)
+    with pytest.raises(RopeTypeError, match="x must be float16"):
+        jax.jit(lambda t: ROPE.rotate(t.astype(jnp.int32), pos))(x)
+    with pytest.raises(RopeValueError, match="immutable"):
+        jax.jit(lambda t: ROPE.rotate(t, pos, out=t))(x)
+    with pytest.raises(RopeValueError, match="not to the positions"):
+        jax.grad(lambda p: ROPE.rotate(x, p).sum())(pos.astype(jnp.float32))
+    with pytest.raises(Exception, match="RopeValueError: pos"):  # a value only the run sees
+        jax.jit(lambda t, p: ROPE.rotate(t, p))(x, -pos - 1).block_until_ready()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    style=st.sampled_from(["interleaved", "half"]),
+    rotary=st.sampled_from([1.0, 0.5, 0.25]),
+    shape=st.sampled_from([(5, 16), (2, 3, 5, 16), (1, 4, 1, 16)]),
+    pos_kind=st.sampled_from(["array", "int", "float", "none"]),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_jit_equals_the_eager_call(style, rotary, shape, pos_kind, dtype, seed):
+    rope = ar.RoPE(16, style=style, rotary_dim=int(16 * rotary))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape)).astype(dtype)
+    draw = int(rng.integers(0, 2**31 - 1))
+    pos = {
+        "array": jnp.asarray(rng.integers(0, 2**31 - 1, shape[-2]).astype(np.int32)),
+        "int": draw,
+        "float": draw / 7.0,
+        "none": None,
+    }[pos_kind]
+    got = jax.jit(lambda t: rope.rotate(t, pos))(x)
+    want = rope.rotate(x, pos)  # eager: the direct path
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))

@@ -1,0 +1,298 @@
+"""torch code that torch traces: torch.compile, torch.export, the torch.func transforms,
+autograd, fake and meta tensors, through arrayrope's torch operators (arrayrope/_torch_ops.py).
+
+Every result is compared with the eager NumPy call on the same values, which the rest of the
+suite checks against the float64 oracle.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrayrope as ar
+from arrayrope import RopeTypeError, RopeValueError
+from arrayrope.scaling import YaRN
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+dynamo = pytest.importorskip("torch._dynamo")
+
+ROPE = ar.RoPE(16, style="half")
+
+
+def _numpy_rotate(rope, x, pos, **kwargs):
+    pos = pos.numpy() if isinstance(pos, torch.Tensor) else pos
+    return torch.from_numpy(rope.rotate(x.detach().numpy(), pos, **kwargs))
+
+
+def _step(q, k, pos, step):
+    """A step that calls every entry: the module-level functions and the RoPE's methods, with
+    tensor and int positions."""
+    q1 = ar.rotate(q, pos, style="half")
+    q2, k2 = ar.rotate_qk(q, k, pos, style="half")
+    k3 = ROPE.rotate(k, step)
+    q4, k4 = ROPE.rotate_qk(q, k, step)
+    return q1 + q2 * 2 + q4, k2 + k3 + k4
+
+
+def _inputs(requires_grad=False, dtype=None):
+    generator = torch.Generator().manual_seed(0)
+    dtype = dtype or torch.float64
+    q = torch.randn(2, 4, 5, 16, generator=generator, dtype=dtype)
+    k = torch.randn(2, 2, 5, 16, generator=generator, dtype=dtype)
+    pos = torch.randint(0, 100_000, (5,), generator=generator)
+    return q.requires_grad_(requires_grad), k.requires_grad_(requires_grad), pos
+
+
+def test_compile_fullgraph_has_no_graph_breaks_and_matches_eager():
+    dynamo.reset()
+    q, k, pos = _inputs()
+    explained = dynamo.explain(_step)(q, k, pos, 7)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(_step, fullgraph=True, dynamic=True)
+    for step in (7, 70_000, 2**31 - 1):  # ints become one symbolic size: no recompiles
+        got_q, got_k = compiled(q, k, pos, step)
+        with torch.no_grad():
+            want_q, want_k = _step(q, k, pos, step)
+        torch.testing.assert_close(got_q, want_q, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_k, want_k, rtol=1e-12, atol=1e-12)
+    q1 = _numpy_rotate(ROPE, q, pos)
+    torch.testing.assert_close(compiled(q, k, pos, 7)[0] - 2 * q1 - ROPE.rotate(q, 7), q1)
+
+
+def test_compile_backward_matches_eager():
+    dynamo.reset()
+    q, k, pos = _inputs(requires_grad=True)
+    compiled = torch.compile(_step, fullgraph=True)
+    got_q, got_k = compiled(q, k, pos, 9)
+    (got_q.square().sum() + got_k.sum()).backward()
+    grads = q.grad.clone(), k.grad.clone()
+    q.grad = k.grad = None
+    want_q, want_k = _step(q, k, pos, 9)
+    (want_q.square().sum() + want_k.sum()).backward()
+    torch.testing.assert_close(got_q, want_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], q.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], k.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_writes_in_place_and_into_a_cache_slice():
+    dynamo.reset()
+    q, k, pos = _inputs(dtype=torch.float32)
+    cache = torch.full((2, 2, 12, 16), float("nan"))
+
+    def step(q, k, cache, pos, start):
+        ROPE.rotate(q, pos, out=q)  # in place
+        ar.rotate(k, pos, style="half", out=cache[:, :, start : start + k.shape[2]])
+        return q * 1
+
+    want_q = _numpy_rotate(ROPE, q, pos)
+    want_k = _numpy_rotate(ROPE, k, pos)
+    q_in = q.clone()
+    got = torch.compile(step, fullgraph=True)(q_in, k, cache, pos, 3)
+    torch.testing.assert_close(q_in, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(cache[:, :, 3:8], want_k, rtol=0, atol=0)
+    assert cache[:, :, :3].isnan().all() and cache[:, :, 8:].isnan().all()
+
+    def step_qk(q, k, q_out, k_out, pos):
+        ar.rotate_qk(q, k, pos, style="half", out=(q, k))
+        ROPE.rotate_qk(q, k, pos, inverse=True, out=(q_out, k_out))
+        return q_out + 0
+
+    q_in, k_in = q.clone(), k.clone()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    torch.compile(step_qk, fullgraph=True)(q_in, k_in, q_out, k_out, pos)
+    torch.testing.assert_close(q_in, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(k_in, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(q_out, q, rtol=1e-6, atol=1e-6)  # the undo
+    torch.testing.assert_close(k_out, k, rtol=1e-6, atol=1e-6)
+
+
+_OPCHECK_ROPE = ar.RoPE(16, style="half", rotary_dim=12, scaling=YaRN(4.0, 64))
+
+
+def _every_op(dtype, device="cpu"):
+    """(operator, arguments) for each of arrayrope's torch operators."""
+    key = _OPCHECK_ROPE._engine.key
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 16, generator=generator, dtype=dtype).to(device)
+    k = torch.randn(2, 1, 4, 16, generator=generator, dtype=dtype).to(device)
+    pos = torch.tensor([0, 5, 70_000, 2**31 - 1], device=device)
+    ops = torch.ops.arrayrope
+    tails = [(pos, None, None), (None, 3, None), (None, None, 2.5), (None, None, None)]
+    cases = []
+    for p, p_int, p_float in tails:
+        tail = (p, p_int, p_float, key, False, "auto", None)
+        cases += [
+            (ops.rotate.default, (q, *tail)),
+            (ops.rotate_.default, (q.clone(), *tail)),
+            (ops.rotate_out.default, (q, torch.empty_like(q), *tail)),
+            (ops.rotate_qk.default, (q, k, *tail)),
+            (ops.rotate_qk_.default, (q.clone(), k.clone(), *tail)),
+            (ops.rotate_qk_out.default, (q, k, torch.empty_like(q), torch.empty_like(k), *tail)),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_opcheck_passes_for_every_operator(dtype):
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    ar.rotate(torch.zeros(1, 16))  # loads the operators
+    for op, args in _every_op(getattr(torch, dtype)):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_gradcheck_and_gradgradcheck(style):
+    rope = ar.RoPE(8, style=style, rotary_dim=6, scaling=YaRN(4.0, 16))
+    pos = torch.tensor([3, 40, 70_000])
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    for fn, args in (
+        (lambda t: rope.rotate(t, pos), (x,)),
+        (lambda t: rope.rotate(t, 12, inverse=True), (x,)),
+        (lambda t: rope.rotate(t, 2.5), (x,)),
+        (lambda t: rope.unrotate(t, pos), (x,)),
+        (lambda a, b: rope.rotate_qk(a, b, pos), (x, k)),
+        (lambda t: ar.rotate(t, pos, style=style), (x,)),
+    ):
+        assert torch.autograd.gradcheck(fn, args)
+        assert torch.autograd.gradgradcheck(fn, args)
+
+
+def test_torch_func_transforms():
+    from torch.func import grad, jacrev, jvp, vjp, vmap
+
+    rope = ar.RoPE(8, style="half", scaling=YaRN(4.0, 16))
+    pos = torch.tensor([1, 50_000, 7])
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    ones = torch.ones_like(x)
+    transpose = _numpy_rotate(rope, ones, pos, inverse=True)
+    torch.testing.assert_close(grad(lambda t: rope.rotate(t, pos).sum())(x), transpose)
+    y, pull = vjp(lambda t: rope.rotate(t, pos), x)
+    torch.testing.assert_close(y, _numpy_rotate(rope, x, pos))
+    torch.testing.assert_close(pull(ones)[0], transpose)
+    jac = jacrev(lambda t: rope.rotate(t, pos))(x)
+    assert jac.shape == x.shape + x.shape
+    torch.testing.assert_close(jac.sum(dim=(0, 1, 2)), transpose)
+    tangent = torch.randn_like(x)
+    y, dy = jvp(lambda t: rope.rotate(t, pos), (x,), (tangent,))
+    torch.testing.assert_close(dy, _numpy_rotate(rope, tangent, pos))
+    q_grad = grad(lambda a, b: sum(r.sum() for r in rope.rotate_qk(a, b, pos)))(x, x)
+    torch.testing.assert_close(q_grad, transpose)
+    # forward-mode AD outside torch.func: dual tensors keep their tangent
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        _, got = fwAD.unpack_dual(rope.rotate(dual, pos))
+    torch.testing.assert_close(got, _numpy_rotate(rope, tangent, pos))
+    # vmap: shared positions, per-example positions, and a batch of rows of one position each
+    batch = torch.randn(5, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(
+        vmap(lambda t: rope.rotate(t, pos))(batch), _numpy_rotate(rope, batch, pos)
+    )
+    per = torch.randint(0, 10**6, (5, 3))
+    torch.testing.assert_close(
+        vmap(lambda t, p: rope.rotate(t, p))(batch, per), _numpy_rotate(rope, batch, per)
+    )
+    rows = torch.randn(5, 8, dtype=torch.float64)
+    torch.testing.assert_close(
+        vmap(lambda t, p: rope.rotate(t, p))(rows, per[:, 0]),
+        _numpy_rotate(rope, rows, per[:, 0]),
+    )
+    torch.testing.assert_close(vmap(lambda t: rope.rotate(t))(rows), _numpy_rotate(rope, rows, 0))
+    q = torch.randn(5, 3, 4, 8, dtype=torch.float64)
+    k, per_token = q[:, :1].clone(), torch.randint(0, 10**6, (5, 4))
+    q_rot, k_rot = vmap(lambda a, b, p: rope.rotate_qk(a, b, p))(q, k, per_token)
+    torch.testing.assert_close(q_rot, _numpy_rotate(rope, q, per_token[:, None]))
+    torch.testing.assert_close(k_rot, _numpy_rotate(rope, k, per_token[:, None]))
+    torch.testing.assert_close(
+        vmap(grad(lambda t: rope.rotate(t, pos).sum()))(batch[:, None].expand(5, 2, 3, 8)),
+        transpose.expand(5, 2, 3, 8),
+    )
+
+
+def test_export_holds_the_operator():
+    rope = ar.RoPE(16, style="half")
+
+    class Step(torch.nn.Module):
+        def forward(self, q, k, pos):
+            q_rot, k_rot = rope.rotate_qk(q, k, pos)
+            return q_rot, ar.rotate(k_rot, 3)
+
+    q, k, pos = _inputs(dtype=torch.float32)
+    exported = torch.export.export(Step(), (q, k, pos))
+    names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert "arrayrope.rotate_qk.default" in names and "arrayrope.rotate.default" in names
+    torch.testing.assert_close(exported.module()(q, k, pos), Step()(q, k, pos))
+
+
+def test_meta_and_fake_tensors_never_reach_a_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = torch.empty(2, 3, 16, device="meta")
+    result = ROPE.rotate(meta, 4)
+    assert result.device.type == "meta" and result.shape == meta.shape
+    q_rot, k_rot = ar.rotate_qk(meta, meta[:, :1], torch.arange(3, device="meta"), style="half")
+    assert q_rot.device.type == "meta" and k_rot.shape == (2, 1, 16)
+    with FakeTensorMode():
+        fake = torch.empty(2, 3, 16)
+        result = ROPE.rotate(fake, torch.arange(3))
+        assert type(result).__name__ == "FakeTensor" and result.shape == fake.shape
+        with pytest.raises(RopeValueError, match="head_dim"):
+            ROPE.rotate(torch.empty(2, 3, 8), 1)
+
+
+def test_errors_on_the_operator_route():
+    x = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(RopeValueError, match="leaf tensor that requires grad"):
+        ROPE.rotate(x, 1, out=x)
+    with pytest.raises(RopeValueError, match="pos requires grad"):
+        ROPE.rotate(x, torch.ones(3, requires_grad=True))
+    with pytest.raises(RopeTypeError, match="x must be float16"):
+        ROPE.rotate(torch.empty(3, 16, dtype=torch.int32, device="meta"), 1)
+    with pytest.raises(RopeValueError, match="head_dim"):
+        ROPE.rotate(torch.empty(3, 8, requires_grad=True), 1)
+    with pytest.raises(RopeTypeError, match="pos must be"):
+        ROPE.rotate(x, "3")
+    with pytest.raises(RopeValueError, match="no RoPE has key"):
+        torch.ops.arrayrope.rotate(x.detach(), None, 1, None, 10**9, False, "auto", None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "bfloat16", "float32", "float64"]),
+    style=st.sampled_from(["interleaved", "half"]),
+    rotary=st.sampled_from([1.0, 0.5, 0.25]),
+    shape=st.sampled_from([(5, 16), (2, 3, 5, 16), (1, 4, 1, 16), (3, 1, 2, 16)]),
+    pos_kind=st.sampled_from(["tensor", "int", "float", "none", "neg-bit"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_operators_equal_the_direct_path(dtype, style, rotary, shape, pos_kind, seed):
+    """Bits through the operators (forced by autograd) equal the direct path's, for each
+    dtype, style, rotary fraction, layout and kind of positions; the backward is the
+    transpose rotation."""
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    generator = torch.Generator().manual_seed(seed)
+    rope = ar.RoPE(16, style=style, rotary_dim=int(16 * rotary))
+    x = torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+    n = shape[-2]
+    if pos_kind in ("tensor", "neg-bit"):
+        pos = torch.randint(0, 2**31 - 1, (n,), generator=generator)
+        if pos_kind == "neg-bit":
+            pos = torch.complex(torch.zeros(n, dtype=torch.float64), -pos.double()).conj().imag
+    else:
+        draw = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        pos = {"int": draw, "float": draw / 7.0, "none": None}[pos_kind]
+    direct = rope.rotate(x, pos)  # a plain tensor: no operator
+    tracked = x.clone().requires_grad_()
+    through_op = rope.rotate(tracked, pos)
+    assert through_op.grad_fn is not None
+    assert torch.equal(through_op.detach().view(torch.int16 if x.itemsize == 2 else x.dtype),
+                       direct.view(torch.int16 if x.itemsize == 2 else x.dtype))  # fmt: skip
+    seed_grad = torch.randn(shape, generator=generator).to(x.dtype)
+    through_op.backward(seed_grad)
+    assert torch.equal(tracked.grad, rope.rotate(seed_grad, pos, inverse=True))
