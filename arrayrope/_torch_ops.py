@@ -5,8 +5,9 @@ and fake or meta tensors all need an operator torch knows: a Python function tha
 tensor's memory is a graph break to Dynamo, a crash to a fake tensor, and invisible to a
 transform. So the rotation is registered with ``torch.library`` as ``arrayrope::rotate`` and
 ``arrayrope::rotate_qk`` (new results), with ``rotate_`` / ``rotate_qk_`` (in place) and
-``rotate_out`` / ``rotate_qk_out`` (into given tensors), each with a fake kernel, and the new
-ones with their autograd formula (the transpose rotation) and a vmap rule.
+``rotate_out`` / ``rotate_qk_out`` (into given tensors), each with a fake kernel; the new ones
+have a vmap rule, and autograd Functions (the transpose rotation) that calls which may be
+differentiated go through.
 
 A call reaches these operators when torch is tracing or transforming, when autograd records it,
 or when a tensor is fake, meta or a subclass (:func:`wanted`); a plain tensor outside all of
@@ -21,12 +22,18 @@ hold the key, so they run in the process that made them.
 This module imports torch: it is imported only once a torch tensor has been seen.
 """
 
+import numpy as np
 import torch
 
 from . import _dispatch, _interop
 from ._errors import RopeTypeError, RopeValueError
 
 _NAMESPACE = "arrayrope"
+_NUMPY_DTYPES = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
 _Tensor = torch.Tensor
 
 
@@ -100,13 +107,19 @@ def _native(t, name="x", written=False):
 def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len):
     """The kernels of engine ``key`` on plain views of ``xs``, into ``outs`` (which may be
     ``xs`` themselves)."""
-    names = ("x",) if len(xs) == 1 else ("q", "k")
-    natives = tuple(_native(x, name, any(x is o for o in outs)) for x, name in zip(xs, names))
+    engine = _engine(key, xs[0].shape[-1])
+    p = _positions(pos, pos_int, pos_float)
+    if len(xs) == 1:
+        x, out = xs[0], outs[0]
+        native = _native(x, "x", out is x)
+        target = native if out is x else _native(out, "out", True)
+        engine.rotate(native, p, inverse, target, backend, seq_len)  # a decode step's way
+        return
+    natives = tuple(_native(x, name, any(x is o for o in outs)) for x, name in zip(xs, "qk"))
     native_outs = tuple(
         n if o is x else _native(o, "out", True) for o, x, n in zip(outs, xs, natives)
     )
-    p = _positions(pos, pos_int, pos_float)
-    _engine(key, xs[0].shape[-1]).run(natives, p, inverse, native_outs, backend, seq_len)
+    engine.run(natives, p, inverse, native_outs, backend, seq_len)
 
 
 def _check(key, xs):
@@ -128,154 +141,113 @@ def _check(key, xs):
 
 
 def _new(x):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    """A new contiguous tensor like ``x``. On the CPU its memory comes from NumPy, which asks
+    the kernel for huge pages for large arrays: a fresh torch allocation of a prefill's size
+    costs more in page faults than the rotation."""
+    if x.device.type != "cpu" or isinstance(x, torch._subclasses.FakeTensor) or x.is_meta:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.dtype == torch.bfloat16:
+        return torch.from_numpy(np.empty(x.shape, np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.empty(x.shape, _NUMPY_DTYPES[x.dtype]))
+
+
+# The arguments every operator ends with: positions (one of the three), the engine's key,
+# inverse, backend and seq_len.
+_TAIL = "Tensor? pos, SymInt? pos_int, float? pos_float, int key, bool inverse, str backend, " \
+    "SymInt? seq_len"  # fmt: skip
+_SCHEMAS = {
+    "rotate": f"rotate(Tensor x, {_TAIL}) -> Tensor",
+    "rotate_": f"rotate_(Tensor(a!) x, {_TAIL}) -> ()",
+    "rotate_out": f"rotate_out(Tensor x, Tensor(a!) out, {_TAIL}) -> ()",
+    "rotate_qk": f"rotate_qk(Tensor q, Tensor k, {_TAIL}) -> (Tensor, Tensor)",
+    "rotate_qk_": f"rotate_qk_(Tensor(a!) q, Tensor(b!) k, {_TAIL}) -> ()",
+    "rotate_qk_out": f"rotate_qk_out(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
+    f"{_TAIL}) -> ()",
+    # rotate and rotate_qk without an autograd kernel, for calls autograd does not record: the
+    # registered autograd kernel is Python, and a decode step would pay it on every call.
+    "rotate_nograd": f"rotate_nograd(Tensor x, {_TAIL}) -> Tensor",
+    "rotate_qk_nograd": f"rotate_qk_nograd(Tensor q, Tensor k, {_TAIL}) -> (Tensor, Tensor)",
+}
 
 
 def _define():
-    lib = torch.library
-    ns = _NAMESPACE
-    Tensor = torch.Tensor
-    Opt = Tensor | None
+    """The operators, defined on a ``torch.library.Library`` with kernels for the CPU and CUDA
+    dispatch keys (``torch.library.custom_op`` wraps each call in more Python, which a compiled
+    decode step would pay)."""
+    lib = torch.library.Library(_NAMESPACE, "DEF")
+    for schema in _SCHEMAS.values():
+        lib.define(schema)
 
-    # The positional tail every operator shares: positions (one of three), the engine's key,
-    # inverse, backend and seq_len.
-    @lib.custom_op(f"{ns}::rotate", mutates_args=())
-    def rotate(
-        x: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> Tensor:
+    def rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         out = _new(x)
         _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
         return out
 
-    @lib.custom_op(f"{ns}::rotate_", mutates_args=("x",))
-    def rotate_(
-        x: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> None:
+    def rotate_(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         _run(key, (x,), pos, pos_int, pos_float, inverse, (x,), backend, seq_len)
 
-    @lib.custom_op(f"{ns}::rotate_out", mutates_args=("out",))
-    def rotate_out(
-        x: Tensor,
-        out: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> None:
+    def rotate_out(x, out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
 
-    @lib.custom_op(f"{ns}::rotate_qk", mutates_args=())
-    def rotate_qk(
-        q: Tensor,
-        k: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> tuple[Tensor, Tensor]:
+    def rotate_qk(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         q_out, k_out = _new(q), _new(k)
         _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
         return q_out, k_out
 
-    @lib.custom_op(f"{ns}::rotate_qk_", mutates_args=("q", "k"))
-    def rotate_qk_(
-        q: Tensor,
-        k: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> None:
+    def rotate_qk_(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         _run(key, (q, k), pos, pos_int, pos_float, inverse, (q, k), backend, seq_len)
 
-    @lib.custom_op(f"{ns}::rotate_qk_out", mutates_args=("q_out", "k_out"))
-    def rotate_qk_out(
-        q: Tensor,
-        k: Tensor,
-        q_out: Tensor,
-        k_out: Tensor,
-        pos: Opt,
-        pos_int: int | None,
-        pos_float: float | None,
-        key: int,
-        inverse: bool,
-        backend: str,
-        seq_len: int | None,
-    ) -> None:
+    def rotate_qk_out(q, k, q_out, k_out, pos, pos_int, pos_float, key, inverse, backend,
+                      seq_len):  # fmt: skip
         _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
 
-    @rotate.register_fake
-    def _(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+    kernels = {
+        "rotate": rotate,
+        "rotate_": rotate_,
+        "rotate_out": rotate_out,
+        "rotate_qk": rotate_qk,
+        "rotate_qk_": rotate_qk_,
+        "rotate_qk_out": rotate_qk_out,
+        "rotate_nograd": rotate,
+        "rotate_qk_nograd": rotate_qk,
+    }
+    for name, kernel in kernels.items():
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+
+    # Fake kernels: the checks that shapes and dtypes allow, and the results' metadata.
+    def fake_rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         _check(key, (x,))
         return _new(x)
 
-    @rotate_qk.register_fake
-    def _(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+    def fake_rotate_qk(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         _check(key, (q, k))
         return _new(q), _new(k)
 
-    @rotate_.register_fake
-    def _(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        _check(key, (x,))
+    def fake_rotate_(x, *tail):
+        _check(tail[-4], (x,))
 
-    @rotate_out.register_fake
-    def _(x, out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        _check(key, (x,))
+    def fake_rotate_qk_(q, k, *tail):
+        _check(tail[-4], (q, k))
 
-    @rotate_qk_.register_fake
-    def _(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        _check(key, (q, k))
+    def fake_rotate_out(x, out, *tail):
+        _check(tail[-4], (x,))
 
-    @rotate_qk_out.register_fake
-    def _(q, k, q_out, k_out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        _check(key, (q, k))
+    def fake_rotate_qk_out(q, k, q_out, k_out, *tail):
+        _check(tail[-4], (q, k))
 
-    # Autograd: y = s R(m) x is linear in x, with transpose s R(-m): the backward of a
-    # rotation is the same rotation with inverse flipped (scaling rules included), and the
-    # backward of that is the forward again. Positions get no gradient.
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[-7])  # pos (the tensor, or None)
-        ctx.rest = inputs[-6:]
-
-    def rotate_backward(ctx, grad):
-        (pos,) = ctx.saved_tensors
-        pos_int, pos_float, key, inverse, backend, seq_len = ctx.rest
-        back = rotate(grad, pos, pos_int, pos_float, key, not inverse, backend, seq_len)
-        return back, None, None, None, None, None, None, None
-
-    def rotate_qk_backward(ctx, grad_q, grad_k):
-        (pos,) = ctx.saved_tensors
-        pos_int, pos_float, key, inverse, backend, seq_len = ctx.rest
-        flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
-        back_q = None if grad_q is None else rotate(grad_q, *flipped)
-        back_k = None if grad_k is None else rotate(grad_k, *flipped)
-        return back_q, back_k, None, None, None, None, None, None, None
-
-    rotate.register_autograd(rotate_backward, setup_context=setup_context)
-    rotate_qk.register_autograd(rotate_qk_backward, setup_context=setup_context)
+    fakes = {
+        "rotate": fake_rotate,
+        "rotate_": fake_rotate_,
+        "rotate_out": fake_rotate_out,
+        "rotate_qk": fake_rotate_qk,
+        "rotate_qk_": fake_rotate_qk_,
+        "rotate_qk_out": fake_rotate_qk_out,
+        "rotate_nograd": fake_rotate,
+        "rotate_qk_nograd": fake_rotate_qk,
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", fake, lib=lib)
 
     # vmap: the batch axis goes first on every operand; batched positions get axes of size 1
     # for the axes of x they lack, so that they still line up with x's leading shape.
@@ -291,11 +263,13 @@ def _define():
             pos_int = 0  # None is position 0 for a 1-D x: the batch axis is not a time axis
         return x, pos, pos_int
 
+    ops = torch.ops.arrayrope
+
     def rotate_vmap(info, in_dims, x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
         n_axes = _engine(key, x.shape[-1]).spec.n_axes if key >= 0 else 1
         x, pos, pos_int = batched(info, x, in_dims[0], pos, in_dims[1], pos_int, pos_float,
                                   n_axes)  # fmt: skip
-        return rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len), 0
+        return ops.rotate.default(x, pos, pos_int, pos_float, key, inverse, backend, seq_len), 0
 
     def rotate_qk_vmap(info, in_dims, q, k, pos, pos_int, pos_float, key, inverse, backend,
                        seq_len):  # fmt: skip
@@ -305,83 +279,119 @@ def _define():
         k, pos_k, int_k = batched(info, k, k_dim, pos, pos_dim, pos_int, pos_float, n_axes)
         rest = (pos_float, key, inverse, backend, seq_len)
         if int_q == int_k and getattr(pos_q, "shape", None) == getattr(pos_k, "shape", None):
-            return rotate_qk(q, k, pos_q, int_q, *rest), (0, 0)
-        return (rotate(q, pos_q, int_q, *rest), rotate(k, pos_k, int_k, *rest)), (0, 0)
+            return ops.rotate_qk.default(q, k, pos_q, int_q, *rest), (0, 0)
+        q_rot = ops.rotate.default(q, pos_q, int_q, *rest)
+        return (q_rot, ops.rotate.default(k, pos_k, int_k, *rest)), (0, 0)
 
-    rotate.register_vmap(rotate_vmap)
-    rotate_qk.register_vmap(rotate_qk_vmap)
-    return torch.ops.arrayrope
+    for suffix in ("", "_nograd"):
+        torch.library.register_vmap(f"{_NAMESPACE}::rotate{suffix}", rotate_vmap, lib=lib)
+        torch.library.register_vmap(f"{_NAMESPACE}::rotate_qk{suffix}", rotate_qk_vmap, lib=lib)
+    return lib, ops
 
 
-def _functions(ops):
-    """The new-result operators as autograd Functions, for torch.func's grad, vjp, jacrev and
-    jvp, which differentiate through a Function's own formulas (an operator's registered
-    autograd serves autograd and the compilers); vmap is generated from the operators'
-    rules."""
+# Autograd: y = s R(m) x is linear in x, with transpose s R(-m): the backward of a rotation is
+# the same rotation with inverse flipped (scaling rules included), and the tangent of a rotation
+# is the rotation of the tangent. Positions get no gradient. The new-result operators carry
+# this as their registered autograd (which autograd and the compilers use); torch.func's grad,
+# vjp, jacrev and jvp and forward-mode AD differentiate through the Functions below, which say
+# the same (vmap of them is generated from the operators' rules).
+def _flipped(args):
+    pos, pos_int, pos_float, key, inverse, backend, seq_len = args
+    return pos, pos_int, pos_float, key, not inverse, backend, seq_len
 
-    class Rotate(torch.autograd.Function):
-        generate_vmap_rule = True
 
-        @staticmethod
-        def forward(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-            return ops.rotate.default(x, pos, pos_int, pos_float, key, inverse, backend, seq_len)
+class _Rotate(torch.autograd.Function):
+    generate_vmap_rule = True
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.args = inputs[1:]
+    @staticmethod
+    def forward(x, *tail):
+        return torch.ops.arrayrope.rotate.default(x, *tail)
 
-        @staticmethod
-        def backward(ctx, grad):
-            pos, pos_int, pos_float, key, inverse, backend, seq_len = ctx.args
-            flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
-            return (Rotate.apply(grad, *flipped),) + (None,) * 7
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
 
-        @staticmethod
-        def jvp(ctx, tangent, *_):
-            return Rotate.apply(tangent, *ctx.args)
+    @staticmethod
+    def backward(ctx, grad):
+        return (_Rotate.apply(grad, *_flipped(ctx.args)),) + (None,) * 7
 
-    class RotateQK(torch.autograd.Function):
-        generate_vmap_rule = True
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Rotate.apply(tangent, *ctx.args)
 
-        @staticmethod
-        def forward(q, k, *tail):
-            return ops.rotate_qk.default(q, k, *tail)
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.args = inputs[2:]
+class _RotateQK(torch.autograd.Function):
+    generate_vmap_rule = True
 
-        @staticmethod
-        def backward(ctx, grad_q, grad_k):
-            pos, pos_int, pos_float, key, inverse, backend, seq_len = ctx.args
-            flipped = (pos, pos_int, pos_float, key, not inverse, backend, seq_len)
-            back_q = None if grad_q is None else Rotate.apply(grad_q, *flipped)
-            back_k = None if grad_k is None else Rotate.apply(grad_k, *flipped)
-            return (back_q, back_k) + (None,) * 7
+    @staticmethod
+    def forward(q, k, *tail):
+        return torch.ops.arrayrope.rotate_qk.default(q, k, *tail)
 
-        @staticmethod
-        def jvp(ctx, tangent_q, tangent_k, *_):
-            return Rotate.apply(tangent_q, *ctx.args), Rotate.apply(tangent_k, *ctx.args)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[2:]
 
-    return Rotate, RotateQK
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        flipped = _flipped(ctx.args)
+        back = [None if g is None else _Rotate.apply(g, *flipped) for g in (grad_q, grad_k)]
+        return tuple(back) + (None,) * 7
+
+    @staticmethod
+    def jvp(ctx, tangent_q, tangent_k, *_):
+        return _Rotate.apply(tangent_q, *ctx.args), _Rotate.apply(tangent_k, *ctx.args)
+
+
+def _register_autograd(lib):
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[-7])  # pos (the tensor, or None)
+        ctx.rest = inputs[-6:]
+
+    def rotate_backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        flipped = _flipped((pos,) + tuple(ctx.rest))
+        return (torch.ops.arrayrope.rotate.default(grad, *flipped),) + (None,) * 7
+
+    def rotate_qk_backward(ctx, grad_q, grad_k):
+        (pos,) = ctx.saved_tensors
+        flipped = _flipped((pos,) + tuple(ctx.rest))
+        back = [
+            None if g is None else torch.ops.arrayrope.rotate.default(g, *flipped)
+            for g in (grad_q, grad_k)
+        ]
+        return tuple(back) + (None,) * 7
+
+    for name, backward in (("rotate", rotate_backward), ("rotate_qk", rotate_qk_backward)):
+        torch.library.register_autograd(
+            f"{_NAMESPACE}::{name}", backward, setup_context=setup_context, lib=lib
+        )
 
 
 # Registered on import, which runs natively even when a trace is what imports this module.
-ops = _define()
-_rotate_fn, _rotate_qk_fn = _functions(ops)
+_lib, ops = _define()
+_register_autograd(_lib)
 
 
 def _transformed():
-    """Whether a torch.func transform or forward-mode AD is active outside any compiler: the
-    Functions' own formulas are what these differentiate by."""
+    """Whether a torch.func transform or forward-mode AD is active outside any compiler: these
+    differentiate through the Functions."""
     return not _compiling() and (_transforms() or _forward_ad._current_level >= 0)
 
 
+def _differentiated(*tensors):
+    """Whether a call may be differentiated: autograd records one of ``tensors``, or a
+    torch.func transform or forward-mode AD is active."""
+    return _grad() and any(t.requires_grad for t in tensors) or _transformed()
+
+
 def _rotated(x, tail):
-    """A new rotated tensor, through the operator or, under torch.func, its Function."""
+    """A new rotated tensor: through its Function under torch.func, through the operator with
+    autograd where autograd records the call, else through the one without."""
     if _transformed():
-        return _rotate_fn.apply(x, *tail)
-    return ops.rotate.default(x, *tail)
+        return _Rotate.apply(x, *tail)
+    if _grad() and x.requires_grad:
+        return ops.rotate.default(x, *tail)
+    return ops.rotate_nograd.default(x, *tail)
 
 
 # The configurations of module-level calls, by key: negative keys, so that they never meet an
@@ -457,7 +467,7 @@ def rotate(key, x, pos, inverse, out, backend, seq_len):
     if not isinstance(out, _Tensor):
         raise RopeTypeError(f"out must be a torch tensor like x, got {type(out).__name__}")
     _writable("out", out)
-    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad) or _transformed():
+    if _differentiated(x, out):
         out.copy_(_rotated(x, tail))  # autograd records the copy into out
     elif out is x:
         ops.rotate_.default(x, *tail)
@@ -474,8 +484,10 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
     if out is None:
         if _transformed():
-            return _rotate_qk_fn.apply(q, k, *tail)
-        return ops.rotate_qk.default(q, k, *tail)
+            return _RotateQK.apply(q, k, *tail)
+        if _grad() and (q.requires_grad or k.requires_grad):
+            return ops.rotate_qk.default(q, k, *tail)
+        return ops.rotate_qk_nograd.default(q, k, *tail)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise RopeTypeError(f"out must be None or a pair (q_out, k_out), got {type(out).__name__}")
     q_out, k_out = out
@@ -483,8 +495,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
         raise RopeTypeError("out must be a pair of torch tensors like q and k")
     _writable("out[0]", q_out)
     _writable("out[1]", k_out)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_out, k_out))
-    if grad or _transformed():
+    if _differentiated(q, k, q_out, k_out):
         q_rot, k_rot = rotate_qk(key, q, k, pos, inverse, None, backend, seq_len)
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)

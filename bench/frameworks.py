@@ -11,6 +11,7 @@ import numpy as np
 
 SHAPE = (1, 32, 2048, 128)  # a prefill of 2048 tokens, 32 heads
 DECODE = (1, 32, 1, 128)
+BATCH = (4, 32, 2048, 128)  # a batch of prefills, for JAX's jit
 
 
 def _best(fn, repeats, calls=1):
@@ -58,7 +59,7 @@ def framework_rows(repeats=7):
 
     rope = ar.RoPE(128, style="half")
     rows = []
-    for shape in (SHAPE, DECODE):
+    for shape in (SHAPE, DECODE, BATCH):
         decode = shape == DECODE
         calls = 200 if decode else 1
         x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -71,14 +72,19 @@ def framework_rows(repeats=7):
         try:
             import torch
 
+            if shape == BATCH:
+                raise ImportError  # the batch rows are JAX's
             t = torch.from_numpy(x)
             tpos = torch.from_numpy(pos)
             inv = torch.tensor(rope.inv_freq, dtype=torch.float32)
             formula = _torch_formula(torch)
             compiled = torch.compile(formula)
+            # arrayrope inside a compiled step: the position as a tensor, as a model passes it
+            compiled_ours = torch.compile(lambda t, tpos: rope.rotate(t, tpos), fullgraph=True)
             timings["arrayrope (torch tensor)"] = lambda: rope.rotate(t, p if decode else tpos)
             timings["PyTorch eager formula"] = lambda: formula(t, tpos, inv)
             timings["torch.compile formula"] = lambda: compiled(t, tpos, inv)
+            timings["arrayrope under torch.compile"] = lambda: compiled_ours(t, tpos)
         except Exception:  # noqa: BLE001 - torch missing, or torch.compile unavailable here
             pass
         try:
@@ -86,11 +92,13 @@ def framework_rows(repeats=7):
             import jax.numpy as jnp
 
             j = jnp.asarray(x)
-            jpos = jnp.asarray(pos)
+            jpos = jnp.asarray(pos.astype(np.int32))
             jinv = jnp.asarray(rope.inv_freq, dtype=jnp.float32)
             jitted = jax.jit(_jax_formula(jnp))
+            jitted_ours = jax.jit(lambda j, jpos: rope.rotate(j, jpos))
             timings["arrayrope (JAX array)"] = lambda: rope.rotate(j, p if decode else jpos)
             timings["jax.jit formula"] = lambda: jitted(j, jpos, jinv).block_until_ready()
+            timings["arrayrope under jax.jit"] = lambda: jitted_ours(j, jpos).block_until_ready()
         except Exception:  # noqa: BLE001 - JAX missing
             pass
         for name, fn in timings.items():
