@@ -169,7 +169,7 @@ def rotate_qk(
     >>> bool(np.allclose(q_rot[0, 0], k_rot[0, 0]))
     True
     """
-    if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, k, pos, out):
+    if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, pos, out, k):
         _head_dim("q", q)
         key = _interop.torch_ops().shared_key(base, style, rotary_dim, scaling)
         if head_axis is not None:

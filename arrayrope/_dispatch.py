@@ -139,7 +139,7 @@ class Engine:
         return self.run((x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos, inverse, out, backend, seq_len):
-        if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, k, pos, out):
+        if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, pos, out, k):
             return _interop.torch_ops().rotate_qk(
                 self.key, q, k, pos, inverse, out, backend, seq_len
             )

@@ -176,14 +176,12 @@ def torch_ops():
     return _torch_ops
 
 
-def torch_ops_wanted(x, *rest):
+def torch_ops_wanted(x, pos, out, k=None):
     """Whether ``x`` is a torch tensor whose call must go through arrayrope's torch
-    operators (``rest``: the call's other arrays, see _torch_ops.wanted)."""
+    operators (see _torch_ops.wanted)."""
     if type(x).__module__[:5] != "torch":
         return False
-    if isinstance(rest[-1], (tuple, list)):
-        rest = rest[:-1] + tuple(rest[-1])
-    return (_torch_ops or torch_ops()).wanted(x, *rest)
+    return (_torch_ops or torch_ops()).wanted(x, pos, out, k)
 
 
 _jax_ops = None

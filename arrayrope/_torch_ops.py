@@ -45,21 +45,30 @@ _grad = torch.is_grad_enabled
 _forward_ad = torch.autograd.forward_ad
 
 
-def wanted(*args):
-    """Whether a call on torch tensors (``args``: the operands, positions and outs, any of
+def wanted(x, pos, out, k=None):
+    """Whether a call on torch tensors (x, and k for rotate_qk; positions and outs, any of
     them None or not a tensor) must go through the operators: torch is compiling, exporting,
     transforming or tracing it, autograd records it, or one of the tensors is fake, meta or of
-    a subclass."""
+    a subclass. Written out: an eager decode step pays for every line here."""
     if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
         return True
     if _forward_ad._current_level >= 0:  # dual tensors may carry tangents
         return True
-    for t in args:
-        if isinstance(t, _Tensor) and (
-            type(t) is not _Tensor or t.is_meta or t.requires_grad and _grad()
-        ):
-            return True
+    if type(x) is not _Tensor or x.is_meta or x.requires_grad and _grad():
+        return True
+    if k is not None and _special(k):
+        return True
+    if pos is not None and type(pos) is not int and _special(pos):
+        return True
+    if out is not None:
+        return any(_special(o) for o in out) if isinstance(out, (tuple, list)) else _special(out)
     return False
+
+
+def _special(t):
+    return isinstance(t, _Tensor) and (
+        type(t) is not _Tensor or t.is_meta or t.requires_grad and _grad()
+    )
 
 
 def _split_positions(pos):
