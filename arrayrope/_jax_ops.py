@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _dispatch
-from ._errors import RopeTypeError, RopeValueError
+from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _TARGET = "arrayrope_rotate"
 
@@ -324,6 +324,18 @@ ad.primitive_transposes[rotate_p] = _transpose
 batching.primitive_batchers[rotate_p] = _batch
 jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu")
 mlir.register_lowering(rotate_p, jax.ffi.ffi_lowering(_TARGET), platform="cpu")
+
+
+def _no_device_lowering(ctx, *args, call):
+    raise BackendUnavailableError(
+        "arrayrope's JAX primitive runs on the CPU: under jit, grad or vmap on a GPU, place "
+        "the call on the CPU (jax.default_device(jax.devices('cpu')[0])), or rotate concrete "
+        "arrays outside the transform (CUDA memory through DLPack)"
+    )
+
+
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(rotate_p, _no_device_lowering, platform=_platform)
 
 
 def wanted(*args):

@@ -145,6 +145,17 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "",
         f"![against other implementations]({figures['frameworks']})",
         "",
+        "Inside the frameworks' compilers: arrayrope called in a function that torch.compile "
+        "(fullgraph) or jax.jit compiles, with tensor positions, against the same compiler's "
+        "output for the formula, in the same run. torch reaches arrayrope's registered "
+        "operators and JAX its primitive (an XLA FFI call); a compiled decode step also pays "
+        "the compiled function's own entry, which dominates at that size.",
+        "",
+        _table(
+            ["shape", "compiler", "arrayrope us", "formula us", "arrayrope is"],
+            _compiled_table(frameworks),
+        ),
+        "",
         "## float32 accuracy against position",
         "",
         "The largest error of a float32 rotation against the float64 one, head_dim 128, base "
@@ -217,6 +228,23 @@ def _framework_table(frameworks):
         if name.startswith("arrayrope (NumPy"):
             ratio = ""
         rows.append((shape, name, _fmt(None if seconds is None else seconds * 1e6, ".1f"), ratio))
+    return rows
+
+
+def _compiled_table(frameworks):
+    found = {(shape, name): seconds for shape, name, seconds in frameworks}
+    rows = []
+    for shape in dict.fromkeys(shape for shape, _, _ in frameworks):
+        for compiler, ours, formula in (
+            ("torch.compile", "arrayrope under torch.compile", "torch.compile formula"),
+            ("jax.jit", "arrayrope under jax.jit", "jax.jit formula"),
+        ):
+            mine, theirs = found.get((shape, ours)), found.get((shape, formula))
+            if mine and theirs:
+                ratio = theirs / mine
+                speed = f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+                rows.append((shape, compiler, _fmt(mine * 1e6, ".1f"), _fmt(theirs * 1e6, ".1f"),
+                             speed))  # fmt: skip
     return rows
 
 
