@@ -147,8 +147,9 @@ class Engine:
             adopt = _interop.fast_adopter(type(q))
             found = None if adopt is None else (adopt(q), adopt(k))
             if found is not None and found[0] is not None and found[1] is not None:
+                kind = type(q)
                 (q, back), (k, _) = found  # torch or JAX arrays on the CPU, viewed as NumPy
-                if type(pos) is type(q):
+                if type(pos) is kind:
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
                 q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, None, backend, seq_len)

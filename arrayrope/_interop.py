@@ -76,7 +76,10 @@ def adopt(name, a, written=False):
     framework = _framework(a)
     if framework == "torch":
         a = _resolve_lazy_bits(name, a.detach(), written)  # autograd calls take the operators
-    device_type = int(a.__dlpack_device__()[0])
+    try:
+        device_type = int(a.__dlpack_device__()[0])
+    except (BufferError, TypeError, RuntimeError, ValueError) as error:  # torch's meta device
+        raise RopeTypeError(f"{name} cannot be viewed through DLPack: {error}") from None
     source, bits = _torch_bits(a) if framework == "torch" else (a, False)
     try:
         if device_type == _CPU:

@@ -160,7 +160,8 @@ def _view(address, dtype, bits, read_only):
 
 
 # Every static part of a call, by its index: (engine key, operands, position kind, scalar
-# position, inverse, backend, seq_len). Kinds: "array" (an operand), "int", "float", "none".
+# position, inverse, backend, seq_len, dtype). Kinds: "array" (an operand), "int", "float",
+# "none". One entry per distinct static call, as jit keeps one program per one.
 _calls = []
 _call_ids = {}
 

@@ -4,10 +4,11 @@ torch.compile, torch.export, the torch.func transforms (grad, vjp, jacrev, jvp, 
 and fake or meta tensors all need an operator torch knows: a Python function that reads a
 tensor's memory is a graph break to Dynamo, a crash to a fake tensor, and invisible to a
 transform. So the rotation is registered with ``torch.library`` as ``arrayrope::rotate`` and
-``arrayrope::rotate_qk`` (new results), with ``rotate_`` / ``rotate_qk_`` (in place) and
-``rotate_out`` / ``rotate_qk_out`` (into given tensors), each with a fake kernel; the new ones
-have a vmap rule, and autograd Functions (the transpose rotation) that calls which may be
-differentiated go through.
+``arrayrope::rotate_qk`` (new results, with the transpose rotation as their autograd formula),
+``rotate_nograd`` / ``rotate_qk_nograd`` (the same without an autograd kernel, for calls
+autograd does not record), ``rotate_`` / ``rotate_qk_`` (in place) and ``rotate_out`` /
+``rotate_qk_out`` (into given tensors). Each has a fake kernel and the new-result ones a vmap
+rule; torch.func differentiates through two autograd Functions that say the same formulas.
 
 A call reaches these operators when torch is tracing or transforming, when autograd records it,
 or when a tensor is fake, meta or a subclass (:func:`wanted`); a plain tensor outside all of
@@ -441,7 +442,10 @@ def _shared_key(base, style, rotary_dim, scaling):
 
     base, rotary_dim = _thawed(base), _thawed(rotary_dim)
     config = (base, style, rotary_dim, scaling)
-    key = _config_keys.get(config)
+    try:
+        key = _config_keys.get(config)
+    except TypeError:  # an unhashable argument: the constructor names it
+        key = None
     if key is None:
         shared_rope(rotary_dim or 2, base, style, rotary_dim, scaling)  # checks the arguments
         key = _config_keys[config] = -1 - len(_configs)

@@ -58,13 +58,43 @@ def _array_from(draw, dtype, shape):
     return values.astype(dtype)
 
 
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def _torch_from(draw, a):
+    """A torch tensor of ``a``'s values, plain, requiring grad, with a lazy negation, or on the
+    meta device (where torch is installed; ``a`` itself otherwise)."""
+    if (
+        torch is None
+        or not isinstance(a, np.ndarray)
+        or a.dtype not in (np.float16, np.float32, np.float64)
+    ):
+        return a
+    if a.size > 2**16:
+        return a
+    t = torch.from_numpy(np.ascontiguousarray(a).copy())
+    kind = draw(st.sampled_from(["plain", "grad", "negative bit", "meta"]))
+    if kind == "grad":
+        return t.requires_grad_()
+    if kind == "negative bit":  # the values of t, held as -t with torch's negative bit
+        return torch.complex(torch.zeros_like(t), -t).conj().imag if t.dtype != torch.float16 else t
+    return t.to("meta") if kind == "meta" else t
+
+
 @st.composite
 def arrays(draw, d=None):
     """Arrays of any dtype, shape and layout: zero-size axes, 0-d, read-only, reversed, strided
-    views, huge broadcast views."""
+    views, huge broadcast views, torch tensors of several kinds."""
     kind = draw(
-        st.sampled_from(["float"] * 4 + ["other", "broadcast", "broadcast", "0-d", "foreign"])
+        st.sampled_from(
+            ["float"] * 4 + ["other", "broadcast", "broadcast", "0-d", "foreign", "torch"]
+        )
     )
+    if kind == "torch":
+        return _torch_from(draw, draw(arrays(d)))
     if kind == "foreign":
         return draw(st.sampled_from([Foreign(), object(), [1.0, 2.0], "x", None, 3.5]))
     if kind == "0-d":
@@ -138,11 +168,18 @@ def _snapshot(objects):
             found += _snapshot(a)
         elif isinstance(a, np.ndarray) and a.dtype != object and a.size and a.size < 2**24:
             found.append((a, np.ascontiguousarray(a).copy()))
+        elif torch is not None and isinstance(a, torch.Tensor) and not a.is_meta:
+            found.append((a, a.detach().clone()))
     return found
 
 
 def _unchanged(snapshot):
     for a, before in snapshot:
+        if torch is not None and isinstance(a, torch.Tensor):
+            assert torch.equal(a.detach(), before), (
+                "a torch argument was written by a rejected call"
+            )
+            continue
         same = np.ascontiguousarray(a).view(np.uint8) == before.view(np.uint8)
         assert same.all(), f"an array argument was written by a rejected call: {a.shape}"
 

@@ -5,6 +5,7 @@ Every result is compared with the eager NumPy call on the same values, which the
 suite checks against the float64 oracle.
 """
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -298,3 +299,15 @@ def test_the_operators_equal_the_direct_path(dtype, style, rotary, shape, pos_ki
     seed_grad = torch.randn(shape, generator=generator).to(x.dtype)
     through_op.backward(seed_grad)
     assert torch.equal(tracked.grad, rope.rotate(seed_grad, pos, inverse=True))
+
+
+def test_mixed_kinds_found_by_the_api_fuzz():
+    q, k = torch.randn(2, 3, 5, 16), torch.randn(2, 1, 5, 16)
+    pos = np.arange(5)
+    q_rot, k_rot = ROPE.rotate_qk(q, k, pos)  # torch operands, NumPy positions
+    assert torch.equal(q_rot, torch.from_numpy(ROPE.rotate(q.numpy(), pos)))
+    assert torch.equal(k_rot, torch.from_numpy(ROPE.rotate(k.numpy(), pos)))
+    with pytest.raises(RopeTypeError, match="out cannot be viewed through DLPack"):
+        ROPE.rotate(q.numpy(), 1, out=torch.empty(2, 3, 5, 16, device="meta"))
+    with pytest.raises(RopeValueError, match="style must be"):
+        ar.rotate(q.requires_grad_(), 1, style=["half"])  # unhashable, through the operators
