@@ -224,11 +224,16 @@ def _framework_table(frameworks):
     base = {shape: s for shape, name, s in frameworks if name.startswith("arrayrope (NumPy")}
     rows = []
     for shape, name, seconds in frameworks:
-        ratio = "-" if seconds is None else f"{seconds / base[shape]:.1f}x faster"
+        ratio = "-" if seconds is None else _speed(seconds / base[shape])
         if name.startswith("arrayrope (NumPy"):
             ratio = ""
         rows.append((shape, name, _fmt(None if seconds is None else seconds * 1e6, ".1f"), ratio))
     return rows
+
+
+def _speed(ratio):
+    """A time ratio (theirs / ours) in words."""
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
 
 
 def _compiled_table(frameworks):
@@ -241,10 +246,8 @@ def _compiled_table(frameworks):
         ):
             mine, theirs = found.get((shape, ours)), found.get((shape, formula))
             if mine and theirs:
-                ratio = theirs / mine
-                speed = f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
                 rows.append((shape, compiler, _fmt(mine * 1e6, ".1f"), _fmt(theirs * 1e6, ".1f"),
-                             speed))  # fmt: skip
+                             _speed(theirs / mine)))  # fmt: skip
     return rows
 
 
