@@ -75,7 +75,13 @@ def adopt(name, a, written=False):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
     framework = _framework(a)
     if framework == "torch":
-        a = _resolve_lazy_bits(name, a.detach(), written)  # autograd calls take the operators
+        if a.requires_grad and sys.modules["torch"].is_grad_enabled():
+            # reached only beside a non-torch array: a torch x takes the operators instead
+            raise RopeValueError(
+                f"{name} requires grad, and autograd cannot record a call whose x is not a torch "
+                "tensor: pass torch tensors for x (and k), or call under torch.no_grad()"
+            )
+        a = _resolve_lazy_bits(name, a.detach(), written)
     try:
         device_type = int(a.__dlpack_device__()[0])
     except (BufferError, TypeError, RuntimeError, ValueError) as error:  # torch's meta device

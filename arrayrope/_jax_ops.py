@@ -5,8 +5,9 @@ A traced JAX array has no memory to rotate: it is a placeholder in a program XLA
 the rotation is a primitive, ``arrayrope_rotate``, with the rules JAX asks of one: its result
 shapes (abstract evaluation), its lowering (an XLA FFI custom call into a handler of this
 module, which runs the same kernels as an eager call on views of XLA's buffers), its JVP
-(the rotation of the tangent: it is linear), its transpose (the inverse rotation, scaling
-included) and its batching rule. Concrete arrays outside any transform keep the direct path.
+(the rotation of the tangent: it is linear), its transpose (the rotation by minus the angle
+with the same scale, which is not the undo under YaRN or LongRoPE) and its batching rule.
+Concrete arrays outside any transform keep the direct path.
 
 The handler is a ctypes callback registered with ``jax.ffi.register_ffi_target`` on the CPU.
 Each static part of a call (the RoPE's engine key, the kind and value of scalar positions,
@@ -18,6 +19,7 @@ This module imports JAX: it is imported only once a traced JAX array has been se
 """
 
 import ctypes
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -166,11 +168,17 @@ _calls = []
 _call_ids = {}
 
 
+_lock = threading.Lock()
+
+
 def _call_id(call):
     found = _call_ids.get(call)
     if found is None:
-        found = _call_ids[call] = len(_calls)
-        _calls.append(call)
+        with _lock:
+            found = _call_ids.get(call)
+            if found is None:
+                found = _call_ids[call] = len(_calls)
+                _calls.append(call)
     return found
 
 
@@ -214,6 +222,7 @@ def _handle(frame_pointer):
 
 # XLA's data type codes of the position dtypes a buffer can hold.
 _POSITION_DTYPES = {
+    10: np.dtype(np.float16),
     2: np.dtype(np.int8),
     3: np.dtype(np.int16),
     4: np.dtype(np.int32),
@@ -316,6 +325,11 @@ def _batch(args, dims, *, call):
             pos = pos.reshape(pos.shape[:1] + (1,) * (lead - per_example) + pos.shape[1:])
         rest = [pos]
     elif kind == "none" and any(x.ndim == 2 for x in xs):
+        if operands == 2 and xs[0].ndim != xs[1].ndim:  # each operand has its own default
+            single = _with(call, operands=1)
+            q = _batch([xs[0]], [0], call=single)[0][0]
+            k = _batch([xs[1]], [0], call=single)[0][0]
+            return [q, k], [0, 0]
         call = _with(call, kind="int", scalar=0)  # position 0 for a 1-D x, not 0..B-1
     return rotate_p.bind(*xs, *rest, call=call), [0] * operands
 
@@ -337,11 +351,6 @@ def _no_device_lowering(ctx, *args, call):
 
 for _platform in ("cuda", "rocm"):
     mlir.register_lowering(rotate_p, _no_device_lowering, platform=_platform)
-
-
-def wanted(*args):
-    """Whether a call on JAX arrays must go through the primitive: one of ``args`` is traced."""
-    return any(isinstance(a, jax.core.Tracer) for a in args)
 
 
 def _positions(pos):

@@ -23,11 +23,16 @@ hold the key, so they run in the process that made them.
 This module imports torch: it is imported only once a torch tensor has been seen.
 """
 
+import threading
+
 import numpy as np
 import torch
 
 from . import _dispatch, _interop
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import base_arg, style_arg
+from .rope import RoPE
+from .scaling import ScalingRule
 
 _NAMESPACE = "arrayrope"
 _NUMPY_DTYPES = {
@@ -72,13 +77,24 @@ def _special(t):
     )
 
 
-def _split_positions(pos):
+def _split_positions(pos, x):
     """``pos`` as the operators' three position arguments: (tensor, int, float), one set."""
-    if pos is None or isinstance(pos, _Tensor):
-        if pos is not None and pos.requires_grad and torch.is_grad_enabled():
+    if pos is None:
+        return None, None, None
+    if isinstance(pos, _Tensor):
+        if pos.requires_grad and _grad():
             raise RopeValueError(
                 "pos requires grad: arrayrope differentiates with respect to x, not to the "
                 "positions; pass pos.detach()"
+            )
+        if pos.device != x.device:
+            raise RopeValueError(
+                f"pos is on {pos.device} and x on {x.device}: put them on one device"
+            )
+        if pos.dtype in (torch.bfloat16, torch.bool) or pos.is_complex():
+            raise RopeTypeError(
+                f"pos must hold integers or real numbers of float16, float32 or float64, got "
+                f"dtype {pos.dtype}"
             )
         return pos, None, None
     if isinstance(pos, bool):
@@ -88,8 +104,8 @@ def _split_positions(pos):
     if isinstance(pos, float) or type(pos).__name__.startswith("float"):
         return None, None, float(pos)
     raise RopeTypeError(
-        "pos must be a torch tensor, an int, a float or None when torch traces the call, got "
-        f"{type(pos).__name__}"
+        "pos must be a torch tensor, an int, a float or None where torch traces, transforms or "
+        f"records the call (x requires grad, a compiler, torch.func), got {type(pos).__name__}"
     )
 
 
@@ -301,8 +317,8 @@ def _define():
 
 # Autograd: y = s R(m) x is linear in x, with transpose s R(-m): the backward of a rotation is
 # the same rotation with inverse flipped (scaling rules included), and the tangent of a rotation
-# is the rotation of the tangent. Positions get no gradient. The new-result operators carry
-# this as their registered autograd (which autograd and the compilers use); torch.func's grad,
+# is the rotation of the tangent. Positions get no gradient. rotate and rotate_qk carry this
+# as their registered autograd (which autograd and the compilers use); torch.func's grad,
 # vjp, jacrev and jvp and forward-mode AD differentiate through the Functions below, which say
 # the same (vmap of them is generated from the operators' rules).
 def _flipped(args):
@@ -409,6 +425,7 @@ def _rotated(x, tail):
 # runs: a head size can be symbolic while torch traces.
 _configs = {}
 _config_keys = {}
+_lock = threading.Lock()
 
 
 def shared_key(base, style, rotary_dim, scaling):
@@ -438,18 +455,25 @@ def _thawed(value):
 def _shared_key(base, style, rotary_dim, scaling):
     """shared_key, checked and stored outside any trace (Dynamo runs this once per
     configuration, at compile time, and keeps the result)."""
-    from ._api import shared_rope
-
     base, rotary_dim = _thawed(base), _thawed(rotary_dim)
     config = (base, style, rotary_dim, scaling)
-    try:
-        key = _config_keys.get(config)
-    except TypeError:  # an unhashable argument: the constructor names it
-        key = None
-    if key is None:
-        shared_rope(rotary_dim or 2, base, style, rotary_dim, scaling)  # checks the arguments
-        key = _config_keys[config] = -1 - len(_configs)
-        _configs[key] = config
+    with _lock:
+        try:
+            key = _config_keys.get(config)
+        except TypeError:  # an unhashable argument: the constructor names it
+            RoPE(64, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
+            raise RopeTypeError(f"unhashable RoPE settings: {config!r}") from None
+        if key is None:
+            # What needs no head size is checked now; the rest when a fake or real kernel
+            # first meets x's head size (_engine).
+            style_arg(style)
+            base_arg(base)
+            if scaling is not None and not isinstance(scaling, ScalingRule):
+                raise RopeTypeError(
+                    f"scaling must be a rule from arrayrope.scaling or None, got {scaling!r}"
+                )
+            key = _config_keys[config] = -1 - len(_configs)
+            _configs[key] = config
     return key
 
 
@@ -473,7 +497,7 @@ def _writable(name, out):
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
-    tensor, as_int, as_float = _split_positions(pos)
+    tensor, as_int, as_float = _split_positions(pos, x)
     tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
     if out is None:
         return _rotated(x, tail)
@@ -493,7 +517,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     """``Engine.rotate_qk``'s contract for torch tensors, through the operators."""
     if not isinstance(k, _Tensor):
         raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
-    tensor, as_int, as_float = _split_positions(pos)
+    tensor, as_int, as_float = _split_positions(pos, q)
     tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
     if out is None:
         if _transformed():

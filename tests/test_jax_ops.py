@@ -163,3 +163,17 @@ def test_jit_equals_the_eager_call(style, rotary, shape, pos_kind, dtype, seed):
     got = jax.jit(lambda t: rope.rotate(t, pos))(x)
     want = rope.rotate(x, pos)  # eager: the direct path
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_vmap_default_positions_of_operands_of_different_ranks():
+    rope = ar.RoPE(16, style="half")
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32))
+    k = jnp.asarray(np.random.default_rng(6).standard_normal((3, 4, 16)).astype(np.float32))
+    q_rot, k_rot = jax.vmap(lambda a, b: rope.rotate_qk(a, b))(q, k)
+    np.testing.assert_array_equal(np.asarray(q_rot), rope.rotate(np.asarray(q), 0))
+    np.testing.assert_array_equal(np.asarray(k_rot), rope.rotate(np.asarray(k)))  # 0..3 each
+    halves = jnp.asarray(np.arange(4, dtype=np.float16))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda a, p: rope.rotate(a, p))(k, halves)),
+        rope.rotate(np.asarray(k), np.arange(4, dtype=np.float16)),
+    )

@@ -311,3 +311,19 @@ def test_mixed_kinds_found_by_the_api_fuzz():
         ROPE.rotate(q.numpy(), 1, out=torch.empty(2, 3, 5, 16, device="meta"))
     with pytest.raises(RopeValueError, match="style must be"):
         ar.rotate(q.requires_grad_(), 1, style=["half"])  # unhashable, through the operators
+
+
+def test_found_by_a_fresh_read():
+    from arrayrope.scaling import NTK
+
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = ar.rotate(x, 2, scaling=NTK(2.0))  # a module-level call with a scaling rule, with grad
+    torch.testing.assert_close(
+        y.detach(), torch.from_numpy(ar.rotate(x.detach().numpy(), 2, scaling=NTK(2.0)))
+    )
+    with pytest.raises(RopeValueError, match="pos is on meta and x on cpu"):
+        ROPE.rotate(torch.ones(3, 16), torch.arange(3, device="meta"))
+    with pytest.raises(RopeTypeError, match="pos must hold integers or real numbers"):
+        ROPE.rotate(x.new_ones(3, 16), torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(RopeValueError, match="requires grad, and autograd cannot record"):
+        ROPE.rotate(np.ones((3, 16)), 1, out=torch.ones(3, 16, requires_grad=True))
