@@ -61,7 +61,7 @@ def _outs_key(xs, outs):
     return key[0] if len(xs) == 1 else tuple(key)
 
 
-# Every engine by its key: the integer that torch operators name a RoPE by (_torch_ops). Weak,
+# Every engine by its key: the integer that torch operators name a RoPE by (_torch_library). Weak,
 # so that a RoPE lives only as long as its owners keep it.
 _keys = itertools.count()
 _by_key = weakref.WeakValueDictionary()

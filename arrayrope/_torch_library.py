@@ -1,0 +1,388 @@
+"""arrayrope's PyTorch operators: schemas, kernels, fake kernels, vmap rules and autograd,
+registered with ``torch.library`` when this module is imported (``_torch_ops`` says when a call
+reaches them).
+
+``arrayrope::rotate`` and ``arrayrope::rotate_qk`` make new results, with the transpose rotation
+as their autograd formula; ``rotate_nograd`` / ``rotate_qk_nograd`` are the same without an
+autograd kernel, for calls autograd does not record; ``rotate_`` / ``rotate_qk_`` rotate in place
+and ``rotate_out`` / ``rotate_qk_out`` into given tensors. Each has a fake kernel and the
+new-result ones a vmap rule; torch.func differentiates through two autograd Functions that say
+the same formulas. Inside an operator the kernels run on plain views of the tensors' memory, as
+an eager call does.
+
+A RoPE reaches an operator as an integer: its engine's key in this process (``_dispatch``), or
+for the module-level functions a negative key of their configuration (:func:`shared_key`).
+Positions reach it as a tensor, an int or a float, whichever the caller gave.
+"""
+
+import threading
+
+import numpy as np
+import torch
+
+from . import _dispatch, _interop
+from ._errors import RopeTypeError, RopeValueError
+from ._spec import base_arg, style_arg
+from .rope import RoPE
+from .scaling import ScalingRule
+
+_NAMESPACE = "arrayrope"
+_NUMPY_DTYPES = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def _positions(pos, pos_int, pos_float):
+    if pos is not None:
+        pos = _interop._resolve_lazy_bits("pos", pos.detach(), False)
+        return pos.numpy() if pos.device.type == "cpu" else pos
+    return pos_int if pos_int is not None else pos_float
+
+
+def _native(t, name="x", written=False):
+    """A plain view of ``t``'s memory for the kernels: NumPy on the CPU, the tensor itself
+    (adopted through DLPack on torch's stream) on a GPU. A lazy negation is resolved first
+    (refused where ``t`` is written)."""
+    t = _interop._resolve_lazy_bits(name, t.detach(), written)
+    if t.device.type != "cpu":
+        return t
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len):
+    """The kernels of engine ``key`` on plain views of ``xs``, into ``outs`` (which may be
+    ``xs`` themselves)."""
+    engine = _engine(key, xs[0].shape[-1])
+    p = _positions(pos, pos_int, pos_float)
+    if len(xs) == 1:
+        x, out = xs[0], outs[0]
+        native = _native(x, "x", out is x)
+        target = native if out is x else _native(out, "out", True)
+        engine.rotate(native, p, inverse, target, backend, seq_len)  # a decode step's way
+        return
+    natives = tuple(_native(x, name, any(x is o for o in outs)) for x, name in zip(xs, "qk"))
+    native_outs = tuple(
+        n if o is x else _native(o, "out", True) for o, x, n in zip(outs, xs, natives)
+    )
+    engine.run(natives, p, inverse, native_outs, backend, seq_len)
+
+
+def _check(key, xs):
+    """The checks a fake kernel can make: what the result's shape and dtype depend on (and,
+    for a module-level call of a known head size, that its RoPE can be made)."""
+    head_dim = xs[0].shape[-1]
+    if key >= 0 or type(head_dim) is int:
+        head_dim = _engine(key, head_dim).spec.head_dim
+    for name, x in zip(("x",) if len(xs) == 1 else ("q", "k"), xs):
+        if x.ndim == 0 or x.shape[-1] != head_dim:
+            raise RopeValueError(
+                f"{name}.shape[-1] must equal head_dim ({head_dim}), got "
+                f"{x.shape[-1] if x.ndim else 'a 0-d tensor'}"
+            )
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise RopeTypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
+            )
+
+
+def _new(x):
+    """A new contiguous tensor like ``x``. On the CPU its memory comes from NumPy, which asks
+    the kernel for huge pages for large arrays: a fresh torch allocation of a prefill's size
+    costs more in page faults than the rotation."""
+    if x.device.type != "cpu" or isinstance(x, torch._subclasses.FakeTensor) or x.is_meta:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.dtype == torch.bfloat16:
+        return torch.from_numpy(np.empty(x.shape, np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.empty(x.shape, _NUMPY_DTYPES[x.dtype]))
+
+
+# The arguments every operator ends with: positions (one of the three), the engine's key,
+# inverse, backend and seq_len.
+_TAIL = "Tensor? pos, SymInt? pos_int, float? pos_float, int key, bool inverse, str backend, " \
+    "SymInt? seq_len"  # fmt: skip
+_SCHEMAS = {
+    "rotate": f"rotate(Tensor x, {_TAIL}) -> Tensor",
+    "rotate_": f"rotate_(Tensor(a!) x, {_TAIL}) -> ()",
+    "rotate_out": f"rotate_out(Tensor x, Tensor(a!) out, {_TAIL}) -> ()",
+    "rotate_qk": f"rotate_qk(Tensor q, Tensor k, {_TAIL}) -> (Tensor, Tensor)",
+    "rotate_qk_": f"rotate_qk_(Tensor(a!) q, Tensor(b!) k, {_TAIL}) -> ()",
+    "rotate_qk_out": f"rotate_qk_out(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
+    f"{_TAIL}) -> ()",
+    # rotate and rotate_qk without an autograd kernel, for calls autograd does not record: the
+    # registered autograd kernel is Python, and a decode step would pay it on every call.
+    "rotate_nograd": f"rotate_nograd(Tensor x, {_TAIL}) -> Tensor",
+    "rotate_qk_nograd": f"rotate_qk_nograd(Tensor q, Tensor k, {_TAIL}) -> (Tensor, Tensor)",
+}
+
+
+def _define():
+    """The operators, defined on a ``torch.library.Library`` with kernels for the CPU and CUDA
+    dispatch keys (``torch.library.custom_op`` wraps each call in more Python, which a compiled
+    decode step would pay)."""
+    lib = torch.library.Library(_NAMESPACE, "DEF")
+    for schema in _SCHEMAS.values():
+        lib.define(schema)
+
+    def rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        out = _new(x)
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
+        return out
+
+    def rotate_(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (x,), backend, seq_len)
+
+    def rotate_out(x, out, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
+
+    def rotate_qk(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        q_out, k_out = _new(q), _new(k)
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
+        return q_out, k_out
+
+    def rotate_qk_(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q, k), backend, seq_len)
+
+    def rotate_qk_out(q, k, q_out, k_out, pos, pos_int, pos_float, key, inverse, backend,
+                      seq_len):  # fmt: skip
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
+
+    kernels = {
+        "rotate": rotate,
+        "rotate_": rotate_,
+        "rotate_out": rotate_out,
+        "rotate_qk": rotate_qk,
+        "rotate_qk_": rotate_qk_,
+        "rotate_qk_out": rotate_qk_out,
+        "rotate_nograd": rotate,
+        "rotate_qk_nograd": rotate_qk,
+    }
+    for name, kernel in kernels.items():
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+
+    # Fake kernels: the checks that shapes and dtypes allow, and the results' metadata.
+    def fake_rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (x,))
+        return _new(x)
+
+    def fake_rotate_qk(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        _check(key, (q, k))
+        return _new(q), _new(k)
+
+    def fake_rotate_(x, *tail):
+        _check(tail[-4], (x,))
+
+    def fake_rotate_qk_(q, k, *tail):
+        _check(tail[-4], (q, k))
+
+    def fake_rotate_out(x, out, *tail):
+        _check(tail[-4], (x,))
+
+    def fake_rotate_qk_out(q, k, q_out, k_out, *tail):
+        _check(tail[-4], (q, k))
+
+    fakes = {
+        "rotate": fake_rotate,
+        "rotate_": fake_rotate_,
+        "rotate_out": fake_rotate_out,
+        "rotate_qk": fake_rotate_qk,
+        "rotate_qk_": fake_rotate_qk_,
+        "rotate_qk_out": fake_rotate_qk_out,
+        "rotate_nograd": fake_rotate,
+        "rotate_qk_nograd": fake_rotate_qk,
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", fake, lib=lib)
+
+    # vmap: the batch axis goes first on every operand; batched positions get axes of size 1
+    # for the axes of x they lack, so that they still line up with x's leading shape.
+    def batched(info, x, x_dim, pos, pos_dim, pos_int, pos_float, n_axes):
+        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+        if pos_dim is not None:
+            pos = pos.movedim(pos_dim, 0)
+            per_example = pos.ndim - 1 - (n_axes > 1)
+            missing = (x.ndim - 2) - per_example
+            if missing > 0:
+                pos = pos.reshape(pos.shape[:1] + (1,) * missing + pos.shape[1:])
+        elif pos is None and pos_int is None and pos_float is None and x.ndim == 2:
+            pos_int = 0  # None is position 0 for a 1-D x: the batch axis is not a time axis
+        return x, pos, pos_int
+
+    ops = torch.ops.arrayrope
+
+    def rotate_vmap(info, in_dims, x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
+        n_axes = _engine(key, x.shape[-1]).spec.n_axes if key >= 0 else 1
+        x, pos, pos_int = batched(info, x, in_dims[0], pos, in_dims[1], pos_int, pos_float,
+                                  n_axes)  # fmt: skip
+        return ops.rotate.default(x, pos, pos_int, pos_float, key, inverse, backend, seq_len), 0
+
+    def rotate_qk_vmap(info, in_dims, q, k, pos, pos_int, pos_float, key, inverse, backend,
+                       seq_len):  # fmt: skip
+        n_axes = _engine(key, q.shape[-1]).spec.n_axes if key >= 0 else 1
+        q_dim, k_dim, pos_dim = in_dims[:3]
+        q, pos_q, int_q = batched(info, q, q_dim, pos, pos_dim, pos_int, pos_float, n_axes)
+        k, pos_k, int_k = batched(info, k, k_dim, pos, pos_dim, pos_int, pos_float, n_axes)
+        rest = (pos_float, key, inverse, backend, seq_len)
+        if int_q == int_k and getattr(pos_q, "shape", None) == getattr(pos_k, "shape", None):
+            return ops.rotate_qk.default(q, k, pos_q, int_q, *rest), (0, 0)
+        q_rot = ops.rotate.default(q, pos_q, int_q, *rest)
+        return (q_rot, ops.rotate.default(k, pos_k, int_k, *rest)), (0, 0)
+
+    for suffix in ("", "_nograd"):
+        torch.library.register_vmap(f"{_NAMESPACE}::rotate{suffix}", rotate_vmap, lib=lib)
+        torch.library.register_vmap(f"{_NAMESPACE}::rotate_qk{suffix}", rotate_qk_vmap, lib=lib)
+    return lib, ops
+
+
+# Autograd: y = s R(m) x is linear in x, with transpose s R(-m): the backward of a rotation is
+# the same rotation with inverse flipped (scaling rules included), and the tangent of a rotation
+# is the rotation of the tangent. Positions get no gradient. rotate and rotate_qk carry this
+# as their registered autograd (which autograd and the compilers use); torch.func's grad,
+# vjp, jacrev and jvp and forward-mode AD differentiate through the Functions below, which say
+# the same (vmap of them is generated from the operators' rules).
+def _flipped(args):
+    pos, pos_int, pos_float, key, inverse, backend, seq_len = args
+    return pos, pos_int, pos_float, key, not inverse, backend, seq_len
+
+
+class _Rotate(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, *tail):
+        return torch.ops.arrayrope.rotate.default(x, *tail)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_Rotate.apply(grad, *_flipped(ctx.args)),) + (None,) * 7
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Rotate.apply(tangent, *ctx.args)
+
+
+class _RotateQK(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, *tail):
+        return torch.ops.arrayrope.rotate_qk.default(q, k, *tail)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[2:]
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        flipped = _flipped(ctx.args)
+        back = [None if g is None else _Rotate.apply(g, *flipped) for g in (grad_q, grad_k)]
+        return tuple(back) + (None,) * 7
+
+    @staticmethod
+    def jvp(ctx, tangent_q, tangent_k, *_):
+        return _Rotate.apply(tangent_q, *ctx.args), _Rotate.apply(tangent_k, *ctx.args)
+
+
+def _register_autograd(lib):
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[-7])  # pos (the tensor, or None)
+        ctx.rest = inputs[-6:]
+
+    def rotate_backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        flipped = _flipped((pos,) + tuple(ctx.rest))
+        return (torch.ops.arrayrope.rotate.default(grad, *flipped),) + (None,) * 7
+
+    def rotate_qk_backward(ctx, grad_q, grad_k):
+        (pos,) = ctx.saved_tensors
+        flipped = _flipped((pos,) + tuple(ctx.rest))
+        back = [
+            None if g is None else torch.ops.arrayrope.rotate.default(g, *flipped)
+            for g in (grad_q, grad_k)
+        ]
+        return tuple(back) + (None,) * 7
+
+    for name, backward in (("rotate", rotate_backward), ("rotate_qk", rotate_qk_backward)):
+        torch.library.register_autograd(
+            f"{_NAMESPACE}::{name}", backward, setup_context=setup_context, lib=lib
+        )
+
+
+# Registered on import, which runs natively even when a trace is what imports this module.
+_lib, ops = _define()
+_register_autograd(_lib)
+
+
+# The configurations of module-level calls, by key: negative keys, so that they never meet an
+# engine's. The RoPE is the shared one of (x.shape[-1], configuration), found when the operator
+# runs: a head size can be symbolic while torch traces.
+_configs = {}
+_config_keys = {}
+_lock = threading.Lock()
+
+
+def shared_key(base, style, rotary_dim, scaling):
+    """The key of a module-level call's configuration. Numbers travel as their exact float
+    hex strings: Dynamo may hold an int or float argument as a symbol, which a function run
+    at compile time cannot take, and a string of it is a constant."""
+    return _shared_key(_frozen(base), style, _frozen(rotary_dim), scaling)
+
+
+_NUMBER = "arrayrope number"
+
+
+def _frozen(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _NUMBER, isinstance(value, int), float(value).hex()
+    return value
+
+
+def _thawed(value):
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == _NUMBER:
+        number = float.fromhex(value[2])
+        return int(number) if value[1] else number
+    return value
+
+
+@torch._dynamo.assume_constant_result
+def _shared_key(base, style, rotary_dim, scaling):
+    """shared_key, checked and stored outside any trace (Dynamo runs this once per
+    configuration, at compile time, and keeps the result)."""
+    base, rotary_dim = _thawed(base), _thawed(rotary_dim)
+    config = (base, style, rotary_dim, scaling)
+    with _lock:
+        try:
+            key = _config_keys.get(config)
+        except TypeError:  # an unhashable argument: the constructor names it
+            RoPE(64, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
+            raise RopeTypeError(f"unhashable RoPE settings: {config!r}") from None
+        if key is None:
+            # What needs no head size is checked now; the rest when a fake or real kernel
+            # first meets x's head size (_engine).
+            style_arg(style)
+            base_arg(base)
+            if scaling is not None and not isinstance(scaling, ScalingRule):
+                raise RopeTypeError(
+                    f"scaling must be a rule from arrayrope.scaling or None, got {scaling!r}"
+                )
+            key = _config_keys[config] = -1 - len(_configs)
+            _configs[key] = config
+    return key
+
+
+def _engine(key, head_dim):
+    if key < 0 and key in _configs:
+        from ._api import shared_rope
+
+        return shared_rope(head_dim, *_configs[key])._engine
+    return _dispatch.engine_of(key)
