@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _interop
+from . import _arrays, _interop, _registry
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
-from ._spec import with_head_axis
+from ._spec import base_arg, int_arg, style_arg, with_head_axis
 from .rope import Array, Positions, RoPE
 from .scaling import ScalingRule
 
@@ -46,6 +46,22 @@ def _head_dim(name, x):
     if shape[-1] % 2:
         raise RopeValueError(f"{name}.shape[-1] must be even, got {shape[-1]}")
     return shape[-1]
+
+
+def _check_settings(base, style, rotary_dim, scaling):
+    """Raise for settings that no head size makes valid (the rest waits for x's head size)."""
+    style_arg(style)
+    base_arg(base)
+    if rotary_dim is not None:
+        int_arg("rotary_dim", rotary_dim, minimum=2)
+    if scaling is not None and not isinstance(scaling, ScalingRule):
+        raise RopeTypeError(
+            "scaling must be a rule from arrayrope.scaling (Linear, NTK, DynamicNTK, YaRN, "
+            f"Llama3, LongRoPE) or None, got {scaling!r}"
+        )
+
+
+_registry.hooks.update(check=_check_settings, shared=shared_rope)
 
 
 # The functions below find their RoPE with one lookup written out in each, and call its engine

@@ -8,12 +8,9 @@ only what depends on values and addresses. NumPy arrays with int, None or NumPy 
 the shortest way to the key, written out in :meth:`Engine.rotate` for a decode step's sake.
 """
 
-import itertools
-import weakref
-
 import numpy as np
 
-from . import _arrays, _interop, _plan, _positions
+from . import _arrays, _interop, _plan, _positions, _registry
 from ._arrays import CUPY, FOREIGN, NUMPY
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
@@ -61,23 +58,6 @@ def _outs_key(xs, outs):
     return key[0] if len(xs) == 1 else tuple(key)
 
 
-# Every engine by its key: the integer that torch operators name a RoPE by (_torch_library). Weak,
-# so that a RoPE lives only as long as its owners keep it.
-_keys = itertools.count()
-_by_key = weakref.WeakValueDictionary()
-
-
-def engine_of(key):
-    """The engine of ``key`` (see Engine.key)."""
-    engine = _by_key.get(key)
-    if engine is None:
-        raise RopeValueError(
-            f"no RoPE has key {key} in this process: the RoPE a traced or exported call was "
-            "made with is gone (keep a reference to it while its compiled code runs)"
-        )
-    return engine
-
-
 class Engine:
     """Plans and the one path for the calls on one RoPE (``spec``, and ``freq_set(seq_len)``
     giving the frequencies and tables for a length). ``owner`` is the RoPE, which Dask graphs
@@ -91,8 +71,7 @@ class Engine:
         self.owner = owner
         self.mode = mode
         self.plans = Bounded(256)
-        self.key = next(_keys)
-        _by_key[self.key] = self
+        self.key = _registry.register(self)  # how framework operators name it
 
     def rotate(self, x, pos, inverse, out, backend, seq_len):
         if type(x) is _NDARRAY:

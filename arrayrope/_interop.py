@@ -50,22 +50,6 @@ def native_positions(pos):
     return pos
 
 
-def _resolve_lazy_bits(name, a, written):
-    """A torch tensor whose negative or conjugate bit is set (a lazy negation, as from
-    ``z.conj().imag``), resolved into a tensor that holds its values: DLPack exports the
-    memory without the bit, which would rotate the values of the opposite sign. One that is
-    written is refused: writing the memory would not write the tensor's values."""
-    if not (a.is_neg() or a.is_conj()):
-        return a
-    if written:
-        raise RopeValueError(
-            f"{name} has torch's negative or conjugate bit set (a lazy negation, as from "
-            "z.conj().imag), so its memory holds other values than it: pass "
-            f"{name}.resolve_neg() (a copy), or leave out unset"
-        )
-    return a.resolve_conj().resolve_neg()
-
-
 def adopt(name, a, written=False):
     """A NumPy or CuPy view of a DLPack-capable ``a`` (no copy, except of a torch tensor with
     a lazy negation, which an input resolves first), a function that returns a result (NumPy or
@@ -81,7 +65,7 @@ def adopt(name, a, written=False):
                 f"{name} requires grad, and autograd cannot record a call whose x is not a torch "
                 "tensor: pass torch tensors for x (and k), or call under torch.no_grad()"
             )
-        a = _resolve_lazy_bits(name, a.detach(), written)
+        a = torch_library().resolve_lazy_bits(name, a.detach(), written)
     try:
         device_type = int(a.__dlpack_device__()[0])
     except (BufferError, TypeError, RuntimeError, ValueError) as error:  # torch's meta device
@@ -169,6 +153,13 @@ def framework_stream(arrays):
 
             return cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
     return contextlib.nullcontext()
+
+
+def torch_library():
+    """arrayrope._torch_library: torch's own rules (lazy negations), and the operators."""
+    from . import _torch_library
+
+    return _torch_library
 
 
 _torch_ops = None

@@ -27,7 +27,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _dispatch
+from . import _registry
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _TARGET = "arrayrope_rotate"
@@ -35,14 +35,11 @@ _TARGET = "arrayrope_rotate"
 
 # The parts of XLA's FFI C API (xla/ffi/api/c_api.h) that the handler reads or writes.
 class _Extension(ctypes.Structure):
-    pass
-
-
-_Extension._fields_ = [
-    ("struct_size", ctypes.c_size_t),
-    ("type", ctypes.c_int),  # 1: metadata
-    ("next", ctypes.POINTER(_Extension)),
-]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("type", ctypes.c_int),  # 1: metadata
+        ("next", ctypes.c_void_p),  # the next extension, which the handler never follows
+    ]
 
 
 class _Buffer(ctypes.Structure):
@@ -212,7 +209,7 @@ def _handle(frame_pointer):
             pos = _view(args[operands], _POSITION_DTYPES[code], _POSITION_DTYPES[code], True)
         else:
             pos = scalar
-        _dispatch.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
+        _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
         return None
     except BaseException as error:  # an exception must not cross into XLA
         message = f"arrayrope: {type(error).__name__}: {error}".encode()
@@ -239,7 +236,7 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))(_handle
 
 def _abstract(*avals, call):
     key, operands, kind, *_ = _calls[call]
-    spec = _dispatch.engine_of(key).spec
+    spec = _registry.engine_of(key).spec
     for name, aval in zip(("x",) if operands == 1 else ("q", "k"), avals[:operands]):
         if aval.ndim == 0 or aval.shape[-1] != spec.head_dim:
             raise RopeValueError(
@@ -270,7 +267,7 @@ def _eager(args, call):
     xs = tuple(np.asarray(a) for a in args[:operands])
     pos = np.asarray(args[operands]) if kind == "array" else scalar
     outs = tuple(np.empty(x.shape, x.dtype) for x in xs)
-    _dispatch.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
+    _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
     return [jnp.asarray(o) for o in outs]
 
 
@@ -305,7 +302,7 @@ def _transpose(cotangents, *args, call):
 
 def _batch(args, dims, *, call):
     key, operands, kind, scalar, *_ = _calls[call]
-    n_axes = _dispatch.engine_of(key).spec.n_axes
+    n_axes = _registry.engine_of(key).spec.n_axes
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     xs = [
         jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)

@@ -15,16 +15,11 @@ for the module-level functions a negative key of their configuration (:func:`sha
 Positions reach it as a tensor, an int or a float, whichever the caller gave.
 """
 
-import threading
-
 import numpy as np
 import torch
 
-from . import _dispatch, _interop
+from . import _registry
 from ._errors import RopeTypeError, RopeValueError
-from ._spec import base_arg, style_arg
-from .rope import RoPE
-from .scaling import ScalingRule
 
 _NAMESPACE = "arrayrope"
 _NUMPY_DTYPES = {
@@ -34,9 +29,25 @@ _NUMPY_DTYPES = {
 }
 
 
+def resolve_lazy_bits(name, a, written):
+    """A torch tensor whose negative or conjugate bit is set (a lazy negation, as from
+    ``z.conj().imag``), resolved into a tensor that holds its values: DLPack exports the
+    memory without the bit, which would rotate the values of the opposite sign. One that is
+    written is refused: writing the memory would not write the tensor's values."""
+    if not (a.is_neg() or a.is_conj()):
+        return a
+    if written:
+        raise RopeValueError(
+            f"{name} has torch's negative or conjugate bit set (a lazy negation, as from "
+            "z.conj().imag), so its memory holds other values than it: pass "
+            f"{name}.resolve_neg() (a copy), or leave out unset"
+        )
+    return a.resolve_conj().resolve_neg()
+
+
 def _positions(pos, pos_int, pos_float):
     if pos is not None:
-        pos = _interop._resolve_lazy_bits("pos", pos.detach(), False)
+        pos = resolve_lazy_bits("pos", pos.detach(), False)
         return pos.numpy() if pos.device.type == "cpu" else pos
     return pos_int if pos_int is not None else pos_float
 
@@ -45,7 +56,7 @@ def _native(t, name="x", written=False):
     """A plain view of ``t``'s memory for the kernels: NumPy on the CPU, the tensor itself
     (adopted through DLPack on torch's stream) on a GPU. A lazy negation is resolved first
     (refused where ``t`` is written)."""
-    t = _interop._resolve_lazy_bits(name, t.detach(), written)
+    t = resolve_lazy_bits(name, t.detach(), written)
     if t.device.type != "cpu":
         return t
     if t.dtype == torch.bfloat16:
@@ -323,18 +334,12 @@ _lib, ops = _define()
 _register_autograd(_lib)
 
 
-# The configurations of module-level calls, by key: negative keys, so that they never meet an
-# engine's. The RoPE is the shared one of (x.shape[-1], configuration), found when the operator
-# runs: a head size can be symbolic while torch traces.
-_configs = {}
-_config_keys = {}
-_lock = threading.Lock()
-
-
 def shared_key(base, style, rotary_dim, scaling):
-    """The key of a module-level call's configuration. Numbers travel as their exact float
-    hex strings: Dynamo may hold an int or float argument as a symbol, which a function run
-    at compile time cannot take, and a string of it is a constant."""
+    """The key of a module-level call's configuration (``_registry``): negative, found when
+    the operator runs at x's head size, which can be symbolic while torch traces. Numbers
+    travel as their exact float hex strings: Dynamo may hold an int or float argument as a
+    symbol, which a function run at compile time cannot take, and a string of it is a
+    constant."""
     return _shared_key(_frozen(base), style, _frozen(rotary_dim), scaling)
 
 
@@ -358,31 +363,7 @@ def _thawed(value):
 def _shared_key(base, style, rotary_dim, scaling):
     """shared_key, checked and stored outside any trace (Dynamo runs this once per
     configuration, at compile time, and keeps the result)."""
-    base, rotary_dim = _thawed(base), _thawed(rotary_dim)
-    config = (base, style, rotary_dim, scaling)
-    with _lock:
-        try:
-            key = _config_keys.get(config)
-        except TypeError:  # an unhashable argument: the constructor names it
-            RoPE(64, base=base, style=style, rotary_dim=rotary_dim, scaling=scaling)
-            raise RopeTypeError(f"unhashable RoPE settings: {config!r}") from None
-        if key is None:
-            # What needs no head size is checked now; the rest when a fake or real kernel
-            # first meets x's head size (_engine).
-            style_arg(style)
-            base_arg(base)
-            if scaling is not None and not isinstance(scaling, ScalingRule):
-                raise RopeTypeError(
-                    f"scaling must be a rule from arrayrope.scaling or None, got {scaling!r}"
-                )
-            key = _config_keys[config] = -1 - len(_configs)
-            _configs[key] = config
-    return key
+    return _registry.config_key(_thawed(base), style, _thawed(rotary_dim), scaling)
 
 
-def _engine(key, head_dim):
-    if key < 0 and key in _configs:
-        from ._api import shared_rope
-
-        return shared_rope(head_dim, *_configs[key])._engine
-    return _dispatch.engine_of(key)
+_engine = _registry.engine_for
