@@ -12,8 +12,9 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._config import DISK_CACHE, HARDWARE_F16
+from ._ladder import ladder
 from ._rows import rotate_half_pairs, rotate_interleaved_pairs
-from ._simd import contiguous, copy_element, half_step, pair_step
+from ._simd import contiguous, copy_element
 
 # The status a row kernel returns. It writes nothing unless it returns DONE.
 DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP = 0, 1, 2
@@ -169,12 +170,8 @@ def _span(a):
 # float16 and bfloat16 rows go through the direct path's vector steps, with plain stores that
 # need only element alignment, rows addressed by offset: LLVM's own loop over a row view converts
 # these types less well. float32 and float64 keep that loop, which the steps do not beat.
-_half_32 = half_step(32, False, aligned=False)
-_half_16 = half_step(16, False, aligned=False)
-_half_1 = half_step(None, False, aligned=False)
-_pair_32 = pair_step(32, False, aligned=False)
-_pair_16 = pair_step(16, False, aligned=False)
-_pair_1 = pair_step(None, False, aligned=False)
+_half_row = ladder(True, (32, 16, None), False, aligned=False)
+_pair_row = ladder(False, (32, 16, None), False, aligned=False)
 
 
 def _source(x, o):
@@ -219,56 +216,23 @@ def rotate_rows_in_steps(x, o, positions, tables, settings):
     if refused != DONE:
         return refused
     src = _source(x, o)
-    n = rotary_dim
-    h = n // 2
-    wide = 32 // o.itemsize
-    narrow = wide // 2
     stride = cos.strides[0] // cos.itemsize  # sin's too: both are views of one table
     period = _count(positions)
     entry = 0
     left = repeat
-    if half_style:
-        for idx in np.ndindex(o.shape[:-1]):
-            t = _entry(positions, entry) * stride
-            xr = _offset(src, idx)
-            orow = _offset(o, idx)
-            j = 0
-            while j + wide <= h:
-                _half_32(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                j += wide
-            if j + narrow <= h:
-                _half_16(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                j += narrow
-            while j < h:
-                _half_1(src, xr + j, o, orow + j, h, cos, sin, t + j, inverse)
-                j += 1
-            left -= 1
-            if left == 0:
-                left = repeat
-                entry += 1
-                if entry == period:
-                    entry = 0
-    else:
-        for idx in np.ndindex(o.shape[:-1]):
-            t = _entry(positions, entry) * stride
-            xr = _offset(src, idx)
-            orow = _offset(o, idx)
-            j = 0
-            while j + wide <= n:
-                _pair_32(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                j += wide
-            if j + narrow <= n:
-                _pair_16(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                j += narrow
-            while j < n:
-                _pair_1(src, xr + j, o, orow + j, cos, sin, t + j // 2, inverse)
-                j += 2
-            left -= 1
-            if left == 0:
-                left = repeat
-                entry += 1
-                if entry == period:
-                    entry = 0
+    for idx in np.ndindex(o.shape[:-1]):
+        t = _entry(positions, entry) * stride
+        xr, orow = _offset(src, idx), _offset(o, idx)
+        if half_style:
+            _half_row(src, xr, o, orow, rotary_dim, cos, sin, t, inverse)
+        else:
+            _pair_row(src, xr, o, orow, rotary_dim, cos, sin, t, inverse)
+        left -= 1
+        if left == 0:
+            left = repeat
+            entry += 1
+            if entry == period:
+                entry = 0
     d = o.shape[o.ndim - 1]
     if d > rotary_dim and _copies(x):
         for idx in np.ndindex(o.shape[:-1]):

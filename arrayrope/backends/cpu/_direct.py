@@ -13,8 +13,9 @@ from numba.extending import overload
 
 from ._angles import table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
+from ._ladder import ladder
 from ._runs import run_start
-from ._simd import address, copy_bytes, half_step, pair_step, store_fence
+from ._simd import address, copy_bytes, store_fence
 
 # Rows per block in the direct path where rows have a tail: a block's tails are copied after
 # its rows are rotated. One: each row's tail right after its rotated part, so that x and o are
@@ -52,9 +53,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
     # pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
     widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
-    half_steps = tuple(half_step(w, nontemporal) for w in widths)
-    pair_steps = tuple(pair_step(w, nontemporal) for w in widths)
-    wide_bytes = widths[0]
+    half_row = ladder(True, widths, nontemporal)
+    pair_row = ladder(False, widths, nontemporal)
     copy_16 = copy_bytes(nontemporal, 16)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES)
 
@@ -88,18 +88,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
 
             return nothing
 
-        three = len(widths) == 3  # else no middle step: the 32-byte one is the widest
-        half_wide, half_32, half_16 = half_steps if three else half_steps[:1] + half_steps
-        pair_wide, pair_32, pair_16 = pair_steps if three else pair_steps[:1] + pair_steps
-
-        # Each row's loop is written out here, not called as an inlined helper: the helper's
-        # array arguments, and table rows taken as views (cos[p]), cost reference-count calls
-        # per row. The table row starts at the flat offset tb (cos and sin alike). One loop per
-        # layout (with the layout test inside the row loop, LLVM keeps the loop's registers on
-        # the stack), and the tails copied in a loop of their own per block of rows (see
-        # _TAIL_BLOCK_ROWS). The loop over runs is in the same function: a function Numba
-        # compiles on its own is optimized and emitted by LLVM once more in each caller's
-        # library.
+        # Each row's rotary part is a ladder (see _ladder), which Numba inlines into this
+        # function: a helper compiled on its own would take its arrays, and table rows taken as
+        # views (cos[p]), with reference-count calls per row. The table row starts at the flat
+        # offset tb (cos and sin alike). One loop per layout (with the layout test inside the
+        # row loop, LLVM keeps the loop's registers on the stack), and the tails copied in a
+        # loop of their own per block of rows (see _TAIL_BLOCK_ROWS). The loop over runs is in
+        # the same function: a function Numba compiles on its own is optimized and emitted by
+        # LLVM once more in each caller's library.
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
             if first >= stop:
                 return
@@ -108,10 +104,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
             axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see direct_path
             width = rotary_dim if _same(x, o) else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
-            wide = np.uint64(wide_bytes // o.itemsize)
-            mid = np.uint64(32 // o.itemsize)
             n = np.uint64(rotary_dim)
-            h = n // np.uint64(2)
             last = np.int64(-1)  # the position whose row ``source`` holds
             row_at = first
             while row_at < stop:
@@ -125,38 +118,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                         for r in range(lo, hi):
                             p = idx[np.uint64(pb + r * sp + axis)]
                             tb, last = table_row(source, p, last, stride)
-                            xr = np.uint64(xb + r * sx)
-                            orow = np.uint64(ob + r * so)
-                            j = np.uint64(0)
-                            while j + wide <= h:
-                                half_wide(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                                j += wide
-                            if three and j + mid <= h:
-                                half_32(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
-                                j += mid
-                            if j < h:
-                                half_16(x, xr + j, o, orow + j, h, cos, sin, tb + j, inv)
+                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                            half_row(x, xr, o, orow, n, cos, sin, tb, inv)
                     else:
                         for r in range(lo, hi):
                             p = idx[np.uint64(pb + r * sp + axis)]
                             tb, last = table_row(source, p, last, stride)
-                            xr = np.uint64(xb + r * sx)
-                            orow = np.uint64(ob + r * so)
-                            j = np.uint64(0)
-                            while j + wide <= n:
-                                pair_wide(
-                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
-                                )
-                                j += wide
-                            if three and j + mid <= n:
-                                pair_32(
-                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
-                                )
-                                j += mid
-                            if j < n:
-                                pair_16(
-                                    x, xr + j, o, orow + j, cos, sin, tb + j // np.uint64(2), inv
-                                )
+                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                            pair_row(x, xr, o, orow, n, cos, sin, tb, inv)
                     if width > rotary_dim:
                         # unsigned while loops: LLVM keeps a range with a runtime step here as a
                         # loop that spills its registers
