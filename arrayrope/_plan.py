@@ -6,9 +6,10 @@ layout alone and raises the errors of bad input. Running it does only what depen
 addresses: the positions' range, the overlap of outputs with inputs, the tables.
 
 Two launch strategies:
-- ``_plan_rows.RowsPlan``: the CPU's one-thread row kernel takes the arrays as they are (decode
-  and prefill sizes, one position axis, positions in a row pattern). The kernel checks positions
-  and overlap before writing, and hands anything else back to the plan's general twin;
+- the CPU backend's rows plan (``backends.cpu.rows_plan``): its one-thread row kernel takes
+  the arrays as they are (decode and prefill sizes, one position axis, positions in a row
+  pattern). The kernel checks positions and overlap before writing, and hands anything else
+  back to the plan's general twin;
 - :class:`GeneralPlan`: every other call, on every backend: positions resolved into table rows,
   operands shaped for the kernels' flat views (through temporaries where a kernel cannot
   address an array), one launch for q and k. NumPy calls whose positions reach past the cache
@@ -20,7 +21,6 @@ import numpy as np
 from . import _arrays, _past_cap, _positions, backends
 from ._arrays import CUPY, NUMPY
 from ._errors import RopeTypeError, RopeValueError
-from ._plan_rows import rows_plan
 from ._positions import ARRAY, INT, NONE
 from ._spec import check_inverse
 from ._tables import checked_rows
@@ -106,7 +106,7 @@ def build(engine, xs, outs, kind, pos, backend):
         _positions.with_axes(pos, spec.n_axes, leads)
     general = GeneralPlan(engine, xs, outs, kind, backend, array_family)
     if backend == "numba":
-        rows = rows_plan(engine, xs, outs, kind, pos, general)
+        rows = backend_module("numba").rows_plan(engine, xs, outs, kind, pos, general)
         if rows is not None:
             return rows
     return general

@@ -11,7 +11,7 @@ import pytest
 import arrayrope as ar
 from arrayrope import _api, _dispatch, _positions
 from arrayrope._plan import GeneralPlan
-from arrayrope._plan_rows import RowsPlan
+from arrayrope.backends.cpu._rows_plan import RowsPlan
 
 
 def _plan_of(rope, call):

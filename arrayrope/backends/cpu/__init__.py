@@ -1,15 +1,15 @@
 """The CPU backend: Numba kernels for NumPy arrays, and the policy that picks how each call runs.
 
 Two launch strategies, chosen by the plan:
-- rows (``_decode.rows_kernel``): one thread, the arrays taken as they are, for decode- and
-  prefill-sized inputs with one position axis and positions in a row pattern;
+- rows (:func:`rows_plan`, the plan of ``_rows_plan`` around ``_decode``'s row kernels): one
+  thread, the arrays taken as they are, for decode- and prefill-sized inputs with one position
+  axis and positions in a row pattern;
 - general (:func:`launch`): flat views and operand geometry, q and k in one call, on one thread
   or in parallel tasks, with streaming or plain stores, multi-axis tables gathered per entry;
   :func:`launch_filled` is its direct path for positions past the cache, each position's row
   made in the kernel.
 """
 
-import numba
 import numpy as np
 
 from .._geometry import flat_view, geometry
@@ -26,38 +26,16 @@ from . import (
     _runs,
 )
 from ._config import HARDWARE_F16, STREAMING, threads_usable
-from ._decode import DONE, POSITION_OUTSIDE_TABLE, SPANS_OVERLAP, rows_kernel, settings
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, VECTOR
+from ._rows_plan import rows_plan
 
 _disk_cache.guard(_angles, _convert, _decode, _direct, _gather, _parallel, _rows, _runs)
 
-__all__ = [
-    "DONE",
-    "POSITION_OUTSIDE_TABLE",
-    "SPANS_OVERLAP",
-    "launch",
-    "launch_filled",
-    "rows_entry",
-    "settings",
-    "small_below",
-]
+__all__ = ["launch", "launch_filled", "rows_plan"]
 
 _F16 = np.dtype(np.float16)
-
-
-def small_below():
-    """Inputs (q and k together) below this many elements may take the rows strategy."""
-    return _config.CONFIG.small_below
-
-
-def rows_entry(*args):
-    """The compiled entry point of the row kernel (see ``_decode.rows_kernel``) for the Numba
-    types of ``args`` (compiled, or loaded from the disk cache, the first time): the caller
-    promises every later call passes arguments of exactly these types, and skips the
-    dispatcher's type resolution."""
-    return rows_kernel(args[1].dtype).compile(tuple(numba.typeof(a) for a in args))
 
 
 def launch(spec, operands, cos, sin, inverse):
