@@ -2,7 +2,9 @@
 foreign), its namespace, the dtypes arrayrope computes in, the memory an array spans, overlap,
 and whether a kernel can address an array as it is.
 
-Asking never imports CuPy: an array is CuPy's only if CuPy is already loaded.
+Asking never imports CuPy: an array is CuPy's only if CuPy is already loaded. The one
+exception is the decode step's way in (``_api`` and ``Engine.rotate``), which tests
+``type(x) is np.ndarray`` inline: a call to :func:`family` there costs a visible part of it.
 """
 
 import sys
@@ -89,6 +91,16 @@ def pointer(a, array_family):
     if array_family == CUPY:
         return a.data.ptr
     return a.__array_interface__["data"][0]
+
+
+def address(a):
+    """The address of ``a[0, ..., 0]``, of a NumPy or CuPy array."""
+    return pointer(a, family(a))
+
+
+def is_host(a):
+    """Whether ``a`` is a NumPy array (memmaps too)."""
+    return family(a) == NUMPY
 
 
 def addressable(a, array_family):

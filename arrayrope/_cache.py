@@ -1,9 +1,24 @@
-"""The one cache policy: every cache arrayrope keeps is a :class:`Bounded` dict.
+"""The policy for module-level state, and :class:`Bounded`, the dict of its caches.
 
-A lookup is a plain ``dict.get`` (a decode step's budget has no room for more); an insert past
-the limit drops the oldest entry first. Entries are things that are cheap to rebuild (plans,
-shared RoPEs, small device arrays), so first-in-first-out serves as well as least-recently-used
-without a bookkeeping write on every hit.
+Module-level state is of three kinds, and each store says which it is beside its definition:
+
+- **Caches** hold what is cheap to rebuild (plans, shared RoPEs, geometry, small device arrays)
+  and are keyed by what calls bring, so that without a bound they would grow with the calls.
+  Every cache is a :class:`Bounded`: a lookup is a plain ``dict.get`` (a decode step's budget
+  has no room for more); an insert past the limit drops the oldest entry first, which serves as
+  well as least-recently-used without a bookkeeping write on every hit. :func:`clear_all`
+  empties them when the configuration changes.
+- **Finite stores** are plain dicts keyed by a closed set, so bounded by it: compiled kernels
+  and entry points by variant, loaded modules by name, per-framework or per-device helpers.
+  They are never dropped: an entry costs a compile to remake.
+- **Registries** hold what something outside arrayrope may still name or read: RoPE keys that
+  framework operators carry, configuration keys and JAX call ids inside compiled programs,
+  pinned buffers and flags a device copy or kernel may still touch, arrays a captured graph
+  reads. An entry lives as long as its owner (weakly held) or the process; none is dropped
+  while it may be named.
+
+Flags and switches (a forked process, the threading layer, a test's forced fallback) are
+scalars that name what they switch.
 """
 
 import weakref

@@ -95,12 +95,12 @@ def adopt(name, a, written=False):
     if bits:
         native = native.view(_bfloat16(name))
     read_only = framework in ("jax", "jaxlib") or (
-        isinstance(native, np.ndarray) and not native.flags.writeable
+        _arrays.is_host(native) and not native.flags.writeable
     )
     return native, restorer(framework), read_only
 
 
-_restorers = {}
+_restorers = {}  # finite store: by framework
 
 
 def restorer(framework):
@@ -120,9 +120,7 @@ def _make_restorer(framework):
             if bf16:
                 result = result.view(np.int16)
             tensor = (
-                torch.from_numpy(result)
-                if isinstance(result, np.ndarray)
-                else torch.from_dlpack(result)
+                torch.from_numpy(result) if _arrays.is_host(result) else torch.from_dlpack(result)
             )
             return tensor.view(torch.bfloat16) if bf16 else tensor
 

@@ -158,7 +158,7 @@ def _view(address, dtype, bits, read_only):
     return view if bits is dtype else view.view(dtype)
 
 
-# Every static part of a call, by its index: (engine key, operands, position kind, scalar
+# Registry: every static part of a call, by its index: (engine key, operands, position kind, scalar
 # position, inverse, backend, seq_len, dtype). Kinds: "array" (an operand), "int", "float",
 # "none". One entry per distinct static call, as jit keeps one program per one.
 _calls = []

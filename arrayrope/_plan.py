@@ -296,7 +296,7 @@ class GeneralPlan:
         if self.kind == ARRAY and _arrays.family(pos) == CUPY:
             if pos.dtype != np.int64:
                 why = f"pos is a device array of {pos.dtype}: give int64 positions"
-            elif pos.data.ptr % 8:
+            elif _arrays.pointer(pos, CUPY) % 8:
                 why = "pos is not aligned to 8 bytes, and would be copied"
             elif self.spec.dynamic and seq_len is None:
                 why = "a length-dependent rule needs seq_len (max(pos) would be read)"

@@ -13,10 +13,10 @@ import weakref
 
 from ._errors import RopeTypeError, RopeValueError
 
-# Engines by key, weakly: a RoPE lives only as long as its owners keep it.
+# Registry: engines by key, weakly: a RoPE lives only as long as its owners keep it.
 _keys = itertools.count()
 _engines = weakref.WeakValueDictionary()
-# Module-level configurations (base, style, rotary_dim, scaling) by their negative keys.
+# Registry: module-level configurations (base, style, rotary_dim, scaling) by their negative keys.
 _configs = {}
 _config_keys = {}
 _lock = threading.Lock()

@@ -16,7 +16,7 @@ _MODULES = {
     "cupy": ".cuda.cupy",
     "numba-cuda": ".cuda.numba",
 }
-_loaded = {}
+_loaded = {}  # finite store: by backend name
 
 
 def module(backend):

@@ -10,11 +10,12 @@ import math
 
 import numpy as np
 
+from .. import _arrays
 from .._cache import Bounded
 
 
 def _as_strided(a):
-    if isinstance(a, np.ndarray):
+    if _arrays.is_host(a):
         return np.lib.stride_tricks.as_strided
     from cupy.lib.stride_tricks import as_strided
 

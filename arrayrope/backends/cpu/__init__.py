@@ -12,6 +12,8 @@ Two launch strategies, chosen by the plan:
 
 import numpy as np
 
+from ... import _arrays
+from ..._arrays import NUMPY
 from .._geometry import flat_view, geometry
 from . import (
     _angles,
@@ -161,7 +163,7 @@ def direct_path(spec, operands, segments, cos, sin):
     if (block * item) % 16 or ((d - rotary_dim) * item) % 16:
         return False
     for _, out, _ in operands:
-        if out.__array_interface__["data"][0] % 16:
+        if _arrays.pointer(out, NUMPY) % 16:
             return False
         if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):
             return False

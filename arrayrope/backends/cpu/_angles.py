@@ -208,7 +208,7 @@ def fill_column(first, inv_freq, levels, scale, out):
         _row(first + r, 0, n, inv_freq, levels, scale, out, np.uint64(r), exact)
 
 
-_column_entries = {}
+_column_entries = {}  # finite store: fill_column's entry point by dtype
 
 
 def column_entry(dtype):

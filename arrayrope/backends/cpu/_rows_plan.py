@@ -244,7 +244,7 @@ class RowsPlan:
         for t, operand in enumerate(self.operands):
             out = None if outs is None else outs[t]
             result, source, o, positions = operand.arguments(xs[t], pos, out)
-            if isinstance(positions, np.ndarray):
+            if not isinstance(positions, int):
                 rows = self.table_source.integer_rows(self.table_dtype, positions[:, None])
                 if rows is None:  # the one check of the values, as the caller passed them
                     _positions.check_values(np.asarray(pos))

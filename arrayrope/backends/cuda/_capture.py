@@ -5,6 +5,7 @@ tests/test_gpu.py and bench/gpu_check.py on a GPU."""
 
 import threading
 
+from ... import _arrays
 from ..._errors import RopeValueError
 
 _CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit: another stream captures (global mode)
@@ -30,9 +31,9 @@ def refuse_during_capture(cupy, what):
         )
 
 
-# arrayrope's own device arrays that a captured graph reads (tables, geometry, kept arrays, the
-# error flag), held for the life of the process: a cache may replace or drop its entry, and the
-# graph keeps only their addresses. The caller's arrays are the caller's to keep.
+# Registry: arrayrope's own device arrays that a captured graph reads (tables, geometry, kept
+# arrays, the error flag), held for the life of the process: a cache may replace or drop its
+# entry, and the graph keeps only their addresses. The caller's arrays are the caller's to keep.
 _held = []
 _held_ids = set()
 _held_lock = threading.Lock()
@@ -43,6 +44,6 @@ def hold(cupy, arrays):
     alive for the process."""
     with _held_lock:
         for a in arrays:
-            if isinstance(a, cupy.ndarray) and id(a) not in _held_ids:
+            if _arrays.family(a) == _arrays.CUPY and id(a) not in _held_ids:
                 _held_ids.add(id(a))
                 _held.append(a)

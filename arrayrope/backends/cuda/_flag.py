@@ -14,9 +14,10 @@ import warnings
 
 import numpy as np
 
+from ... import _arrays
 from ..._errors import RopeValueError
 
-# The error flag of each device: (device array, host view) of one int32 in pinned memory,
+# Registry: the error flag of each device: (device array, host view) of one int32 in pinned memory,
 # never dropped while the process runs (a kernel may still write it).
 _flags = {}
 _flags_lock = threading.Lock()
@@ -35,14 +36,14 @@ def error_flag(cupy, device):
                 host[0] = 0
                 # Under unified addressing (every 64-bit platform CUDA supports), pinned host
                 # memory is accessible from every device at its host address.
-                address = host.__array_interface__["data"][0]
+                address = _arrays.pointer(host, _arrays.NUMPY)
                 owned = cupy.cuda.UnownedMemory(address, 4, memory, device)
                 flag = cupy.ndarray((1,), np.int32, cupy.cuda.MemoryPointer(owned, 0))
                 found = _flags[device] = (flag, host)
     return found
 
 
-_armed = []
+_armed = []  # a flag: one entry once the exit report is registered
 
 
 def arm(cupy):

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from ... import _arrays
 from ..._cache import Bounded
 from ..._errors import RopeValueError
 from ..._positions import is_default
@@ -54,7 +55,7 @@ def kept(a):
 # A buffer is written again only once its event says the copy out of it has run, so a stream
 # that runs behind never reads a buffer refilled under it. At most _STAGED buffers per device;
 # past that the host waits for the oldest copy.
-_buffers = {}  # never dropped while the process runs: a copy may still read a buffer
+_buffers = {}  # registry, never dropped while the process runs: a copy may still read one
 _buffers_lock = threading.Lock()
 _STAGED = 32
 _MIN_STAGE = 4096
@@ -113,7 +114,7 @@ def device_rows(cupy, device, idxs, cos, sin):
     through :func:`upload`; device positions are copied only where their start is not aligned
     to their element size, which a GPU's typed loads require."""
     first = idxs[0]
-    if all(idx is first for idx in idxs) and isinstance(first, np.ndarray):
+    if all(idx is first for idx in idxs) and _arrays.is_host(first):
         if first.shape == (1, 1) and not is_default(first):
             p = int(first[0, 0])
             zero = on_device(cupy, device, "zero", _ZERO)
@@ -130,8 +131,8 @@ def device_rows(cupy, device, idxs, cos, sin):
 
 
 def _on_device(cupy, device, a):
-    if not isinstance(a, np.ndarray):
-        return a.copy() if a.data.ptr % a.itemsize else a
+    if not _arrays.is_host(a):
+        return a.copy() if _arrays.address(a) % a.itemsize else a
     if is_default(a):
         return on_device(cupy, device, ("arange", a.shape[0]), a)
     return upload(cupy, device, a)

@@ -16,6 +16,7 @@ from importlib import resources
 
 import numpy as np
 
+from ... import _arrays
 from ..._cache import Bounded
 from ..._errors import BackendUnavailableError
 from .._geometry import geometry, rows, tail_mask
@@ -100,16 +101,12 @@ def _function(cupy, device, name):
     return function
 
 
-def _address(a):
-    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
-
-
 def _alignment(arrays):
     """The largest power of two, at most 16, dividing the byte address of every row of every
     array (the start and the strides of axes longer than 1; negative strides alike)."""
     bits = 16
     for a in arrays:
-        bits |= _address(a)
+        bits |= _arrays.address(a)
         for n, s in zip(a.shape[:-1], a.strides[:-1]):
             if n > 1:
                 bits |= s

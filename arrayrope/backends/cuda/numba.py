@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from ... import _arrays
 from ..._errors import BackendUnavailableError, RopeValueError
 from .._geometry import flat_view, geometry, rows, tail_mask
 from . import level_arguments
@@ -71,7 +72,7 @@ def _simulated():
     return bool(config.ENABLE_CUDASIM)
 
 
-_kernels = {}
+_kernels = {}  # finite store: compiled kernels by variant
 
 
 def _kernel(bf16_bits, half_style, compute):
@@ -250,7 +251,7 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
     """
     require_numba_cuda()
     x0 = operands[0][0]
-    if isinstance(x0, np.ndarray):
+    if _arrays.is_host(x0):
         # Host arrays (the simulator): each distinct buffer goes over once and comes back once.
         # Left to the kernel call, the same buffer passed in two slots would be copied back
         # twice, the stale copy last.
