@@ -6,6 +6,7 @@ import numpy as np
 
 from . import _arrays, _interop, _registry
 from ._cache import Bounded
+from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
 from ._spec import base_arg, int_arg, style_arg, with_head_axis
 from .rope import Array, Positions, RoPE
@@ -68,6 +69,7 @@ _registry.hooks.update(check=_check_settings, shared=shared_rope)
 # directly: a decode step is short enough to feel a helper call or RoPE.rotate's keywords.
 
 
+@filled
 def rotate(
     x: Array,
     pos: Positions = None,
@@ -82,24 +84,33 @@ def rotate(
     scaling: ScalingRule | None = None,
     seq_len: int | None = None,
 ) -> Array:
-    """Rotate ``x`` by rotary position embeddings.
+    """Rotate ``x`` by rotary position embeddings: ``attention_scaling * R(m) x`` for each row.
 
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a :class:`RoPE` of head_dim
-    ``x.shape[-1]`` (see there); calls with one configuration share one RoPE and its cos/sin
-    cache. The other arguments are those of :meth:`RoPE.rotate`.
+    ``x.shape[-1]``; calls with one configuration share one RoPE and its cos/sin cache, as
+    :meth:`RoPE.rotate` calls on it would.
 
     Parameters
     ----------
-    x : array, shape (..., d)
-        float16, bfloat16, float32 or float64; NumPy, CuPy, Dask or any DLPack producer.
-    pos : int, float, array or None
-        Positions broadcastable to ``x.shape[:-1]``; None is 0..T-1 along axis -2.
-    style : {"interleaved", "half"}
-        Pairs (x[2i], x[2i+1]) or (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
+    {x}
+    {pos}
+    {base}
+    {style}
+    {rotary_dim}
+    {inverse}
+    {out}
+    {head_axis}
+    {backend}
+    {scaling}
+    {seq_len}
 
     Returns
     -------
-    array of ``x``'s type, shape and dtype (``out`` where given).
+    {returns}
+
+    Raises
+    ------
+    {raises}
 
     Examples
     --------
@@ -129,6 +140,7 @@ def rotate(
     return rope._engine.rotate(x, pos, inverse, out, backend, seq_len)
 
 
+@filled
 def rotate_qk(
     q: Array,
     k: Array,
@@ -144,38 +156,33 @@ def rotate_qk(
     scaling: ScalingRule | None = None,
     seq_len: int | None = None,
 ) -> tuple[Array, Array]:
-    """Rotate queries and keys by the same positions in one call.
+    """Rotate queries and keys by the same positions in one call (one kernel launch for both,
+    beyond decode sizes).
 
     ``base``, ``style``, ``rotary_dim`` and ``scaling`` configure a :class:`RoPE` of head_dim
     ``q.shape[-1]``, shared with :func:`rotate` calls of the same configuration.
 
     Parameters
     ----------
-    q, k : arrays, shape (..., Hq, T, d) and (..., Hk, T, d)
-        One dtype (float16, bfloat16, float32 or float64) and array kind. They may differ in
-        head count (grouped-query attention) and may be strided views into one fused QKV
-        buffer.
-    pos : int, float, array or None
-        Positions broadcastable to both leading shapes; None gives each 0..T-1 along axis -2.
-    base, style, rotary_dim, scaling
-        The RoPE's configuration, as in :class:`RoPE`; style "interleaved" pairs (x[2i],
-        x[2i+1]), "half" pairs (x[i], x[i + rotary_dim/2]) (Hugging Face's rotate_half).
-    inverse : bool
-        Rotate by -angle (the transpose).
-    out : (q_out, k_out), optional
-        Where to write; ``out=(q, k)`` rotates both in place.
-    head_axis, backend, seq_len
-        As in :meth:`RoPE.rotate`.
+    {q, k}
+    {pos of q, k}
+    {base}
+    {style}
+    {rotary_dim}
+    {inverse}
+    {out of q, k}
+    {head_axis}
+    {backend}
+    {scaling}
+    {seq_len}
 
     Returns
     -------
-    (q_rot, k_rot) : arrays of q's and k's type, shape and dtype (``out`` where given).
+    {returns of q, k}
 
     Raises
     ------
-    RopeValueError, RopeTypeError
-        For bad input, naming the argument and the value; both are checked before either is
-        written.
+    {raises}
 
     Examples
     --------

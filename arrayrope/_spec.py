@@ -65,6 +65,43 @@ def axes_arg(name, values):
     return values
 
 
+def axial_pairs(dims):
+    """(dims checked, each pair's position axis) of an axial RoPE (see RoPE.axial)."""
+    dims = axes_arg("dims", dims)
+    for i, n in enumerate(dims):
+        if n < 2 or n % 2:
+            raise RopeValueError(f"dims[{i}] must be even and >= 2, got {n}")
+    return dims, np.repeat(np.arange(len(dims), dtype=np.int64), [n // 2 for n in dims])
+
+
+def sectioned_pairs(sections, assign, rotary_dim):
+    """Each pair's position axis in a sectioned RoPE (see RoPE.sectioned)."""
+    sections = axes_arg("sections", sections)
+    if any(n < 0 for n in sections):
+        raise RopeValueError(f"sections must be >= 0 pairs each, got {sections}")
+    pairs = rotary_dim // 2
+    if sum(sections) != pairs:
+        raise RopeValueError(
+            f"sections {sections} sum to {sum(sections)} pairs; rotary_dim {rotary_dim} has {pairs}"
+        )
+    n_axes = len(sections)
+    if assign == "contiguous":
+        return np.repeat(np.arange(n_axes, dtype=np.int64), sections)
+    if assign != "interleaved":
+        raise RopeValueError(f"assign must be 'contiguous' or 'interleaved', got {assign!r}")
+    j = np.arange(pairs)
+    pair_axis = np.zeros(pairs, dtype=np.int64)
+    for a in range(1, n_axes):
+        pair_axis[(j % n_axes == a) & (j < n_axes * sections[a])] = a
+    counts = tuple(int((pair_axis == a).sum()) for a in range(n_axes))
+    if counts != sections:
+        raise RopeValueError(
+            f"sections {sections} cannot be interleaved over {pairs} pairs (each axis "
+            f"a >= 1 needs n_axes * sections[a] <= {pairs}); got counts {counts}"
+        )
+    return pair_axis
+
+
 def segments(pair_axis):
     """Runs of consecutive pairs on one position axis, as int64 rows (first, stop, axis)."""
     starts = [0] + [j for j in range(1, pair_axis.size) if pair_axis[j] != pair_axis[j - 1]]

@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from .scaling import plain_inv_freq
+
 # Default cap on the cached rows: 32 MiB for cos and sin together. Larger positions take rows
 # made per call from the level tables instead of growing a table that would dwarf the data it
 # rotates.
@@ -48,6 +50,21 @@ class FreqSet:
         self.inv_freq = inv_freq
         self.attention_scaling = float(attention_scaling)
         self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
+
+    @classmethod
+    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows):
+        """The set of a RoPE's frequency ``blocks`` ((features, base) runs, concatenated) under
+        ``scaling`` at its ``selected`` length, whose tables multiply into cos and sin what
+        ``mode`` asks: the attention scaling ("rotate"), one ("shift": a pure rotation), or its
+        inverse ("undo": the exact undo)."""
+        if scaling is None:
+            inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in blocks])
+            scale = 1.0
+        else:
+            inv_freq, scale = scaling.frequencies(blocks, selected)
+        scale = {"rotate": scale, "shift": 1.0, "undo": 1.0 / scale}[mode]
+        inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
+        return cls(inv_freq, pair_axis, scale, max_rows)
 
 
 class CosSinTables:

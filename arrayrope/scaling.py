@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
 
 __all__ = ["DynamicNTK", "Linear", "Llama3", "LongRoPE", "NTK", "ScalingRule", "YaRN"]
@@ -94,6 +95,7 @@ class ScalingRule:
         return 1.0
 
 
+@filled
 @dataclass(frozen=True)
 class Linear(ScalingRule):
     """Position interpolation (Chen et al. 2023): every theta_i divided by ``factor``.
@@ -103,6 +105,10 @@ class Linear(ScalingRule):
     factor : float > 0
         The context extension: positions are read as position / factor. Hugging Face's
         ``rope_type: "linear"``.
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     factor: float
@@ -114,6 +120,7 @@ class Linear(ScalingRule):
         return plain_inv_freq(dim, base) / self.factor
 
 
+@filled
 @dataclass(frozen=True)
 class NTK(ScalingRule):
     """Static NTK-aware scaling: the base becomes ``base * factor ** (d / (d - 2))``.
@@ -122,6 +129,10 @@ class NTK(ScalingRule):
     ----------
     factor : float > 0
         The context extension. Needs at least 4 rotated features per block.
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     factor: float
@@ -136,6 +147,7 @@ class NTK(ScalingRule):
         return plain_inv_freq(dim, base * self.factor ** (dim / (dim - 2)))
 
 
+@filled
 @dataclass(frozen=True)
 class DynamicNTK(ScalingRule):
     """Dynamic NTK: at current length L > original_max_positions the base becomes
@@ -147,6 +159,10 @@ class DynamicNTK(ScalingRule):
     original_max_positions : int
         The training context, orig. Hugging Face's ``rope_type: "dynamic"``; L is each call's
         max(pos) + 1 unless ``seq_len`` gives it.
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     factor: float
@@ -175,6 +191,7 @@ def _yarn_mscale(scale, mscale=1.0):
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+@filled
 @dataclass(frozen=True)
 class YaRN(ScalingRule):
     """YaRN (Peng et al. 2023): interpolated frequencies (theta / factor) for the slow pairs,
@@ -184,6 +201,10 @@ class YaRN(ScalingRule):
     Attention factor: ``attention_factor`` if given; else, when both mscale and mscale_all_dim
     are set (DeepSeek), ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; else
     ``0.1 * ln(factor) + 1`` (1 for factor <= 1).
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     factor: float
@@ -238,6 +259,7 @@ class YaRN(ScalingRule):
         return _yarn_mscale(self.factor)
 
 
+@filled
 @dataclass(frozen=True)
 class Llama3(ScalingRule):
     """Llama 3.1: wavelengths above orig / low_freq_factor are divided by ``factor``, those below
@@ -249,6 +271,10 @@ class Llama3(ScalingRule):
         As in Llama 3.1's ``rope_scaling`` (8, 1, 4).
     original_max_positions : int
         The training context (8192).
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     factor: float
@@ -285,6 +311,7 @@ class Llama3(ScalingRule):
         return np.where(medium, smoothed, scaled)
 
 
+@filled
 @dataclass(frozen=True)
 class LongRoPE(ScalingRule):
     """LongRoPE (Phi-3): per-pair rescale factors, ``short_factor`` up to original_max_positions
@@ -293,6 +320,10 @@ class LongRoPE(ScalingRule):
     Attention factor: ``attention_factor`` if given; else, with ``factor`` (the context
     extension, max_positions / original_max_positions), ``sqrt(1 + ln(factor) / ln(orig))``;
     else 1.
+
+    Raises
+    ------
+    {raises of a rule}
     """
 
     short_factor: tuple
