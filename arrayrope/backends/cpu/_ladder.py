@@ -8,10 +8,10 @@ part must be a whole number of the narrowest step.
 """
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.extending import overload
 
-from ._simd import half_step, pair_step
+from ._simd import row_step
 
 
 def ladder(half, widths, nontemporal, aligned=True):
@@ -22,17 +22,18 @@ def ladder(half, widths, nontemporal, aligned=True):
     ``n`` share one integer type, signed or unsigned, which the ladder keeps."""
     if len(widths) not in (2, 3):
         raise ValueError(f"a ladder has two or three steps, got widths {widths}")
-    make = half_step if half else pair_step
-    calls = tuple(_call(make(w, nontemporal, aligned), half) for w in widths)
-    first, last = calls[0], calls[-1]
-    has_middle = len(calls) == 3
-    middle = calls[1] if has_middle else first  # typed, never run
+    first, *rest = (row_step(half, w, nontemporal, aligned) for w in widths)
+    has_middle = len(rest) == 2
+    middle = rest[0] if has_middle else first  # typed, never run
+    last = rest[-1]
     last_repeats = widths[-1] is None
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part (see :func:`ladder`)."""
 
-    @overload(rotate, inline="always")
+    # compiled once per signature and inlined by LLVM: inlined in Numba's IR at every call
+    # site instead, it doubled the direct path's compile time
+    @overload(rotate)
     def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
@@ -46,37 +47,18 @@ def ladder(half, widths, nontemporal, aligned=True):
             limit = h if half else n
             j = n - n  # zero, of the offsets' type
             while j + wide <= limit:
-                first(x, xr + j, o, orow + j, h, cos, sin, t + _table(j, half, two), inverse)
+                first(x, xr, o, orow, h, cos, sin, t, j, inverse)
                 j += wide
             if has_middle and j + mid <= limit:
-                middle(x, xr + j, o, orow + j, h, cos, sin, t + _table(j, half, two), inverse)
+                middle(x, xr, o, orow, h, cos, sin, t, j, inverse)
                 j += mid
             if last_repeats:
                 while j < limit:
-                    last(x, xr + j, o, orow + j, h, cos, sin, t + _table(j, half, two), inverse)
+                    last(x, xr, o, orow, h, cos, sin, t, j, inverse)
                     j += narrow
             elif j < limit:
-                last(x, xr + j, o, orow + j, h, cos, sin, t + _table(j, half, two), inverse)
+                last(x, xr, o, orow, h, cos, sin, t, j, inverse)
 
         return impl
 
     return rotate
-
-
-@njit(inline="always")
-def _table(j, half, two):
-    """The table offset of element j: one table entry per pair."""
-    return j if half else j // two
-
-
-def _call(step, half):
-    """``step`` (an intrinsic of ``_simd``) in one signature for both styles:
-    ``call(x, xa, o, oa, h, cos, sin, t, inverse)``, h unused by the interleaved steps."""
-    if half:
-        return step
-
-    @njit(inline="always")
-    def call(x, xa, o, oa, h, cos, sin, t, inverse):
-        step(x, xa, o, oa, cos, sin, t, inverse)
-
-    return call

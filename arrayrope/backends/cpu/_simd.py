@@ -159,12 +159,44 @@ def _signed_sin(builder, sin, inverse):
     return builder.bitcast(builder.xor(builder.bitcast(sin, words), mask), sin.type)
 
 
-def half_step(nbytes, nontemporal, aligned=True):
-    """An intrinsic rotating the pairs (j, j + h) for the ``nbytes`` of o from o[oa] on (None:
-    one pair): x read from x[xa] and x[xa + h], tables from cos[t], sin[t]. _pairs's
-    arithmetic, in vectors. It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+def row_step(half, nbytes, nontemporal, aligned=True):
+    """The step of :func:`_half_step` (``half``) or :func:`_pair_step` at element j of a row, in
+    one signature for both styles: an intrinsic ``step(x, xr, o, orow, h, cos, sin, t, j,
+    inverse)`` that reads x from xr + j, stores to orow + j and reads the tables at t + j
+    (half) or t + j / 2 (interleaved: one table entry per pair); h is unused there. Its index
+    arithmetic is made here rather than by an inlined helper: Numba's inlining of a helper at
+    each call site costs compile time that an intrinsic does not."""
+    inner = (_half_step if half else _pair_step)(nbytes, nontemporal, aligned)
 
     @intrinsic
+    def step(typingctx, x, xr, o, orow, h, cos, sin, t, j, inverse):
+        if half:
+            inner_sig, inner_codegen = inner(typingctx, x, xr, o, orow, h, cos, sin, t, inverse)
+        else:
+            inner_sig, inner_codegen = inner(typingctx, x, xr, o, orow, cos, sin, t, inverse)
+
+        def codegen(context, builder, signature, args):
+            x_, xr_, o_, orow_, h_, cos_, sin_, t_, j_, inverse_ = args
+            xa = builder.add(xr_, j_)
+            oa = builder.add(orow_, j_)
+            entry = builder.add(t_, j_ if half else builder.lshr(j_, ir.Constant(j_.type, 1)))
+            if half:
+                inner_args = (x_, xa, o_, oa, h_, cos_, sin_, entry, inverse_)
+            else:
+                inner_args = (x_, xa, o_, oa, cos_, sin_, entry, inverse_)
+            return inner_codegen(context, builder, inner_sig, inner_args)
+
+        return types.void(x, xr, o, orow, h, cos, sin, t, j, inverse), codegen
+
+    return step
+
+
+def _half_step(nbytes, nontemporal, aligned=True):
+    """An intrinsic's definition (typing, then codegen) of a step rotating the pairs
+    (j, j + h) for the ``nbytes`` of o from o[oa] on (None: one pair): x read from x[xa] and
+    x[xa + h], tables from cos[t], sin[t]. _pairs's arithmetic, in vectors. It stores as
+    _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+
     def step(typingctx, x, xa, o, oa, h, cos, sin, t, inverse):
         lanes = _lanes_of(o, nbytes)
 
@@ -189,13 +221,13 @@ def half_step(nbytes, nontemporal, aligned=True):
     return step
 
 
-def pair_step(nbytes, nontemporal, aligned=True):
-    """An intrinsic rotating the pairs (2j, 2j + 1) in the ``nbytes`` of o from o[oa] on (None:
-    one pair): x read from x[xa], tables from cos[t], sin[t]. _interleaved_pairs's arithmetic,
-    in vectors, by :func:`_interleaved_codegen`, or :func:`_bfloat16_codegen` where o holds
-    bfloat16 bits (uint16). It stores as _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+def _pair_step(nbytes, nontemporal, aligned=True):
+    """An intrinsic's definition (typing, then codegen) of a step rotating the pairs (2j, 2j + 1) in
+    the ``nbytes`` of o from o[oa] on (None: one pair): x read from x[xa], tables from cos[t],
+    sin[t]. _interleaved_pairs's arithmetic, in vectors, by :func:`_interleaved_codegen`, or
+    :func:`_bfloat16_codegen` where o holds bfloat16 bits (uint16). It stores as _stream_lanes's
+    ``nontemporal`` and ``aligned`` say."""
 
-    @intrinsic
     def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
         if o.dtype == types.uint16:
             codegen = _bfloat16_codegen(nbytes, nontemporal, aligned)
