@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from ._spec import axial_pairs, base_arg, dims_arg, sectioned_pairs, style_arg
+from .scaling import ScalingRule
 
-if TYPE_CHECKING:
-    from .rope import RoPE
-    from .scaling import ScalingRule
+RoPE = TypeVar("RoPE")  # the class these are bound to (rope.RoPE), which imports this module
 
 
 def axial(
-    cls,
+    cls: type[RoPE],
     dims: tuple[int, ...],
     *,
     base: float = 10000.0,
@@ -44,8 +43,7 @@ def axial(
 
     Raises
     ------
-    RopeValueError, RopeTypeError
-        An argument out of range or of the wrong type; the message names it.
+    {raises of a constructor}
     """
     dims, pair_axis = axial_pairs(dims)
     base = base_arg(base)
@@ -65,7 +63,7 @@ def axial(
 
 
 def sectioned(
-    cls,
+    cls: type[RoPE],
     head_dim: int,
     sections: tuple[int, ...],
     *,
@@ -104,9 +102,7 @@ def sectioned(
 
     Raises
     ------
-    RopeValueError, RopeTypeError
-        An argument out of range or of the wrong type, or sections that do not fit; the
-        message names it.
+    {raises of a constructor}
     """
     head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
     pair_axis = sectioned_pairs(sections, assign, rotary_dim)
@@ -126,7 +122,7 @@ def sectioned(
 
 
 def from_hf_config(
-    cls, config: Any, *, style: str | None = None, max_positions: int | None = None
+    cls: type[RoPE], config: Any, *, style: str | None = None, max_positions: int | None = None
 ) -> RoPE:
     """The RoPE a Hugging Face model config describes.
 

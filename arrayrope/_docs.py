@@ -85,6 +85,10 @@ array
     "returns of q, k": """\
 (q_rot, k_rot) : arrays
     As :meth:`RoPE.rotate` returns for each: ``out``'s pair, or new arrays.""",
+    "raises of a constructor": """\
+RopeValueError, RopeTypeError
+    An argument out of range or of the wrong type (sections that do not fit, for
+    sectioned); the message names it and its value.""",
     "raises of a rule": """\
 RopeValueError, RopeTypeError
     A field out of range or of the wrong type; the message names it and its value.""",

@@ -80,8 +80,7 @@ class RoPE:
 
     Raises
     ------
-    RopeValueError, RopeTypeError
-        An argument out of range or of the wrong type; the message names it.
+    {raises of a constructor}
     """
 
     def __init__(
