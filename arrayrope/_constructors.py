@@ -121,37 +121,103 @@ def sectioned(
     return rope
 
 
+def general(cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis,
+            sign=1):
+    """A RoPE of any frequency blocks and pair layout (see RoPE._setup), checked as the public
+    constructors check theirs: what a Hugging Face config can describe."""
+    head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
+    rope = cls.__new__(cls)
+    rope._setup(
+        head_dim, rotary_dim, style_arg(style), base_arg(base), max_positions, scaling,
+        blocks, pair_axis, sign,
+    )  # fmt: skip
+    return rope
+
+
 def from_hf_config(
-    cls: type[RoPE], config: Any, *, style: str | None = None, max_positions: int | None = None
+    cls: type[RoPE],
+    config: Any,
+    *,
+    layer_type: str | None = None,
+    part: str | None = None,
+    style: str | None = None,
+    max_positions: int | None = None,
 ) -> RoPE:
-    """The RoPE a Hugging Face model config describes.
+    """The RoPE a Hugging Face model config describes, as transformers rotates it.
 
     Parameters
     ----------
     config : dict, path to config.json or to a model folder, or a config object
         A transformers config object is read through its attributes (its aliases apply:
-        GPT-J's n_embd is hidden_size). Reads rope_theta (rotary_emb_base), rope_scaling or
-        rope_parameters (rope_type/type: default, linear, dynamic, yarn, longrope, llama3;
-        mrope_section for Qwen-VL), head_dim or hidden_size / num_attention_heads
-        (qk_rope_head_dim for DeepSeek), partial_rotary_factor (rotary_pct) or rotary_dim
-        (GPT-J, CodeGen), max_position_embeddings and original_max_position_embeddings.
+        GPT-J's n_embd is hidden_size). Reads rope_theta (rotary_emb_base), rope_parameters or
+        rope_scaling (rope_type: default, linear, dynamic, yarn, longrope, llama3, proportional,
+        axial; mrope_section and mrope_interleaved), head_dim or hidden_size /
+        num_attention_heads (qk_rope_head_dim for multi-head latent attention),
+        partial_rotary_factor (rotary_pct) or GPT-J's and CodeGen's rotary_dim,
+        rope_interleave, max_position_embeddings, original_max_position_embeddings, and a
+        heterogeneous config's per_layer_config. A composite config (vision-language,
+        speech) is read at its ``text_config`` unless it has RoPE fields of its own.
+    layer_type : str, optional
+        For a config with one set of rope parameters per layer type (Gemma 3 and 4,
+        ModernBERT, OLMo 3: ``"full_attention"``, ``"sliding_attention"``), the layer type
+        whose RoPE to build; required there. :meth:`from_hf_layers` builds them all.
+    part : {"text", "vision", "audio"}, optional
+        The part of a composite config to read: its ``{part}_config``. A vision tower's
+        ``rope_type: "axial"`` gives a two-axis RoPE whose positions are (row, column).
     style : {"half", "interleaved"}, optional
-        Overrides the pair style of the model family ("half" for Llama-lineage checkpoints,
-        "interleaved" for DeepSeek-V2/V3, GPT-J, CodeGen, Cohere).
+        Overrides the pair style of the model family: "half" (rotate_half) unless the family's
+        code pairs adjacent features (GPT-J, CodeGen, Cohere, DeepSeek-V2, GLM, and any
+        config with ``rope_interleave: true``).
     max_positions : int, optional
         As in :class:`RoPE`.
 
     Returns
     -------
     RoPE
+        For multi-head latent attention (DeepSeek-V2/V3), the RoPE of the rotary part of each
+        head (its last qk_rope_head_dim features). A multi-axis (M-RoPE) text model gives a
+        RoPE whose positions end in an axis of size 3 (time, height, width).
 
     Raises
     ------
     RopeValueError
         Unknown fields, fields that disagree (rope_theta and rotary_emb_base, hidden_size
-        and n_embd, rotary_dim and a partial rotary factor), or an unknown family without
-        ``style=``.
+        and n_embd, rotary_dim and a partial rotary factor), a layer type or part the config
+        does not have, or a RoPE the family's code builds in a way arrayrope cannot express
+        (the message names the family and why).
     """
     from ._hf_config import rope_from_hf_config
 
-    return rope_from_hf_config(cls, config, style, max_positions)
+    return rope_from_hf_config(cls, config, style, max_positions, layer_type, part)
+
+
+def from_hf_layers(
+    cls: type[RoPE],
+    config: Any,
+    *,
+    part: str | None = None,
+    style: str | None = None,
+    max_positions: int | None = None,
+) -> dict[str, RoPE | None]:
+    """Every layer type's RoPE of a Hugging Face config with ``layer_types``.
+
+    Parameters
+    ----------
+    config, part, style, max_positions
+        As in :meth:`from_hf_config`.
+
+    Returns
+    -------
+    dict
+        {layer type: RoPE}, in the order of the config's layer_types; None for a layer type
+        the config gives no RoPE. Layer types that share one set of parameters share equal
+        RoPEs.
+
+    Raises
+    ------
+    RopeValueError
+        As :meth:`from_hf_config`, and for a config without layer_types.
+    """
+    from ._hf_config import hf_layer_ropes
+
+    return hf_layer_ropes(cls, config, style, max_positions, part)

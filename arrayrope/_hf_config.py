@@ -1,51 +1,72 @@
-"""RoPE.from_hf_config: the RoPE a Hugging Face ``config.json`` describes."""
+"""RoPE.from_hf_config: the RoPE a Hugging Face config describes, as transformers rotates it.
+
+A config names the frequencies (rope_theta, the rope type and its fields, the partial rotary
+factor, the head size); the pair layout and the multi-axis layout live in each family's modeling
+code, so the tables below hold them for the families whose code departs from transformers'
+convention (rotate_half pairs, one position axis). tests/test_hf_families.py drives every rotary
+family of the installed transformers through its own modules and checks these tables.
+"""
 
 import json
 import math
 import os
 
+import numpy as np
+
 from ._errors import RopeTypeError, RopeValueError
 
-# Pair style per model family, as Hugging Face transformers rotates it: rotate_half pairs
-# (x[i], x[i + d/2]) for the Llama lineage; adjacent pairs where the family multiplies complex
-# numbers or rotates every two (DeepSeek-V2/V3, GPT-J, Cohere).
-HALF_FAMILIES = frozenset(
+# Families whose modeling code rotates adjacent pairs (x[2i], x[2i+1]): GPT-J's
+# rotate_every_two, rotate_half over [..., ::2] with repeat-interleaved cos/sin (Cohere, GLM,
+# ERNIE), complex multiplication (DeepSeek-V2, Llama 4). Configs with a rope_interleave field
+# (DeepSeek-V3 and its MLA kin) say it themselves.
+INTERLEAVED_FAMILIES = frozenset(
     {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "phi",
-        "phi3",
-        "phimoe",
-        "gpt_neox",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "olmo",
-        "olmo2",
-        "starcoder2",
-        "stablelm",
-        "falcon",
-        "granite",
-        "internlm2",
-        "persimmon",
-        "exaone",
-        "nemotron",
-        "smollm3",
+        "gptj",
+        "codegen",
+        "cohere",
+        "cohere2",
+        "deepseek_v2",
+        "blt_patcher",
+        "cohere2_moe",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "glm",
+        "glm4",
+        "glm4v_text",
+        "glm4v_moe_text",
+        "glm_ocr_text",
+        "helium",
+        "openai_privacy_filter",
+        "pe_audio_encoder",
+        "pe_audio_video_encoder",
+        "pe_video_encoder",
     }
 )
-INTERLEAVED_FAMILIES = frozenset(
-    {"deepseek_v2", "deepseek_v3", "gptj", "codegen", "cohere", "cohere2"}
-)
-# Families whose Hugging Face config class defaults rope_theta to 10000 when the file omits it.
+# Families whose code reads the rotated features from a rotary_dim field (other families'
+# configs may carry one that their code ignores).
+ABSOLUTE_ROTARY_DIM_FAMILIES = frozenset({"gptj", "codegen"})
+# Families that rotate by minus the angle (rotate_half with its signs flipped).
+CLOCKWISE_FAMILIES = frozenset({"nanochat"})
+# Multi-axis (M-RoPE) text models: the sections their modeling code uses when the config
+# gives none, and how it hands pairs to axes (see _spec.sectioned_pairs).
+MROPE_FAMILIES = {
+    "qwen2_vl_text": ((16, 24, 24), "contiguous"),
+    "qwen2_5_vl_text": ((16, 24, 24), "contiguous"),
+    "qwen2_5_omni_text": ((16, 24, 24), "contiguous"),
+    "qwen2_5_omni_thinker": ((16, 24, 24), "contiguous"),
+    "paddleocr_vl_text": ((16, 24, 24), "contiguous"),
+    "qwen3_vl_text": ((24, 20, 20), "interleaved"),
+    "qwen3_vl_moe_text": ((24, 20, 20), "interleaved"),
+    "cosmos3_edge_text": ((24, 20, 20), "interleaved"),
+    "qwen3_5_text": ((11, 11, 10), "interleaved"),
+    "qwen3_5_moe_text": ((11, 11, 10), "interleaved"),
+    "qwen4_exp_text": ((11, 11, 10), "interleaved"),
+    "glm4v_text": ((8, 12, 12), "contiguous"),
+    "glm4v_moe_text": ((8, 12, 12), "contiguous"),
+    "glm_ocr_text": ((8, 12, 12), "contiguous"),
+    "glm_image_text": ((8, 12, 12), "contiguous"),
+}
+# Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
     {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox"}
 )
@@ -73,7 +94,11 @@ _FIELDS = (
     "rotary_dim",
     "max_position_embeddings",
     "original_max_position_embeddings",
+    "rope_interleave",
+    "layer_types",
 )
+# The parts of a composite config (vision-language, speech) that may hold a RoPE.
+PARTS = ("text", "vision", "audio")
 
 _COMMON_KEYS = {
     "rope_type",
@@ -84,6 +109,9 @@ _COMMON_KEYS = {
     "mrope_section",
     "mrope_interleaved",
 }
+# Keys transformers writes beside the RoPE's own that do not change the rotation: the model's
+# length, and Llama 4's attention temperature (a scale of the queries after the rotation).
+_IGNORED_KEYS = {"max_position_embeddings", "llama_4_scaling_beta"}
 _KEYS = {
     "default": set(),
     "linear": {"factor"},
@@ -99,11 +127,13 @@ _KEYS = {
     },
     "longrope": {"short_factor", "long_factor", "factor", "attention_factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
+    "proportional": {"factor"},
+    "axial": set(),
 }
 _ALIASES = {"su": "longrope", "mrope": "default"}
 
 
-def _as_dict(config):
+def _fields(config):
     """The config's fields as a dict: from a dict, a config.json (or a model folder holding
     one), or an object (a transformers config: its fields read through its attributes)."""
     if isinstance(config, dict):
@@ -124,7 +154,7 @@ def _as_dict(config):
         for name in _FIELDS:
             try:
                 value = getattr(config, name)
-            except AttributeError:
+            except Exception:  # noqa: BLE001 - per-layer configs raise for global reads
                 continue
             if value is not None:
                 fields[name] = value
@@ -151,6 +181,108 @@ def _canonical(cfg):
     return cfg
 
 
+def _has_rope(cfg):
+    return any(cfg.get(k) is not None for k in ("rope_parameters", "rope_scaling", "rope_theta"))
+
+
+def _part(cfg, part):
+    """The fields of the part of a composite config that holds the RoPE asked for: the config
+    itself where it has RoPE fields and no part was named, else its ``{part}_config``."""
+    if part is not None and part not in PARTS:
+        raise RopeValueError(f"part must be one of {', '.join(map(repr, PARTS))}, got {part!r}")
+    if part is None and _has_rope(cfg):
+        return cfg
+    sub = cfg.get(f"{part or 'text'}_config")
+    if sub is None:
+        if part is None:
+            return cfg  # no RoPE fields at all: the family's defaults, or an error below
+        raise RopeValueError(
+            f"config of model_type {cfg.get('model_type')!r} has no {part}_config"
+        )
+    sub = _fields(sub)
+    sub.setdefault("model_type", f"{cfg.get('model_type')}_{part or 'text'}")
+    return sub
+
+
+def _nested(cfg):
+    """{layer type: its rope parameters (None for a layer without RoPE)} where the config
+    keeps one set per layer type (every value a mapping), else None; in the order of the
+    config's layer_types."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if not isinstance(params, dict) or not params:
+        return None
+    if not all(v is None or isinstance(v, dict) for v in params.values()):
+        return None
+    used = [k for k in dict.fromkeys(cfg.get("layer_types") or []) if k in params]
+    return {k: params[k] for k in used + [k for k in params if k not in used]}
+
+
+def _layer(cfg, layer_type):
+    """(fields with the layer type's overrides, its flat rope parameters)."""
+    nested = _nested(cfg)
+    if nested is None:
+        if layer_type is not None and layer_type not in (cfg.get("layer_types") or []):
+            raise RopeValueError(
+                f"layer_type {layer_type!r} is not a layer type of this config "
+                f"(layer_types: {sorted(set(cfg.get('layer_types') or [])) or 'none'})"
+            )
+        params = cfg.get("rope_parameters")
+        scaling = cfg.get("rope_scaling")
+        if scaling and params and scaling != params:
+            raise RopeValueError(
+                "config has both rope_scaling and rope_parameters, and they differ"
+            )
+        params = params or scaling or {}
+        if not isinstance(params, dict):
+            raise RopeTypeError("rope_scaling / rope_parameters must be a mapping")
+        return cfg, dict(params)
+    if layer_type is None:
+        raise RopeValueError(
+            f"config has one RoPE per layer type ({', '.join(nested)}): pass layer_type= one "
+            "of them, or use RoPE.from_hf_layers for all"
+        )
+    if layer_type not in nested:
+        raise RopeValueError(
+            f"layer_type must be one of {', '.join(map(repr, nested))}, got {layer_type!r}"
+        )
+    params = nested[layer_type]
+    if params is None:
+        raise RopeValueError(f"layer type {layer_type!r} of this config has no RoPE")
+    overrides = _layer_overrides(cfg, layer_type)
+    return {**cfg, **overrides}, dict(params)
+
+
+def _layer_overrides(cfg, layer_type):
+    """The per-layer fields (a heterogeneous config's per_layer_config, keyed by layer index)
+    of the layers of ``layer_type``; the head sizes they give must agree."""
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    found, sizes = None, set()
+    for index, kind in enumerate(cfg.get("layer_types") or []):
+        if kind == layer_type:
+            fields = per_layer.get(index) or {}
+            sizes.add(_head_dim({**cfg, **fields}))
+            found = fields if found is None else found
+    if len(sizes) > 1:
+        raise RopeValueError(
+            f"layers of type {layer_type!r} have different head sizes {sorted(sizes)}"
+        )
+    return found or {}
+
+
+def _kind(params):
+    kind, old_kind = params.get("rope_type"), params.get("type")
+    if kind and old_kind and _ALIASES.get(kind, kind) != _ALIASES.get(old_kind, old_kind):
+        raise RopeValueError(f"rope_type {kind!r} and type {old_kind!r} disagree")
+    kind = kind or old_kind or "default"
+    kind = _ALIASES.get(kind, kind)
+    if kind not in _KEYS:
+        raise RopeValueError(f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}")
+    unknown = set(params) - _COMMON_KEYS - _IGNORED_KEYS - _KEYS[kind]
+    if unknown:
+        raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
+    return kind
+
+
 def _need(cfg, key, where="config"):
     value = cfg.get(key)
     if value is None:
@@ -158,27 +290,7 @@ def _need(cfg, key, where="config"):
     return value
 
 
-def rope_from_hf_config(cls, config, style=None, max_positions=None):
-    from . import scaling as sc
-
-    cfg = _as_dict(config)
-    model_type = cfg.get("model_type")
-    scaling_field, parameters_field = cfg.get("rope_scaling"), cfg.get("rope_parameters")
-    if scaling_field and parameters_field and scaling_field != parameters_field:
-        raise RopeValueError("config has both rope_scaling and rope_parameters, and they differ")
-    params = dict(parameters_field or scaling_field or {})
-    if not isinstance(parameters_field or scaling_field or {}, dict):
-        raise RopeTypeError("rope_scaling / rope_parameters must be a mapping")
-    kind, old_kind = params.get("rope_type"), params.get("type")
-    if kind and old_kind and _ALIASES.get(kind, kind) != _ALIASES.get(old_kind, old_kind):
-        raise RopeValueError(f"rope_type {kind!r} and type {old_kind!r} disagree")
-    kind = _ALIASES.get(kind or old_kind or "default", kind or old_kind or "default")
-    if kind not in _KEYS:
-        raise RopeValueError(f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}")
-    unknown = set(params) - _COMMON_KEYS - _KEYS[kind]
-    if unknown:
-        raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
-
+def _theta(cfg, params):
     thetas = {
         name: value
         for name, value in (
@@ -195,74 +307,62 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
         )
     theta = next(iter(thetas.values()), None)
     if theta is None:
-        if model_type not in THETA_10000_FAMILIES:
+        if cfg.get("model_type") not in THETA_10000_FAMILIES:
             raise RopeValueError(
-                f"config has no rope_theta, and model_type {model_type!r} has no known default"
+                f"config has no rope_theta, and model_type {cfg.get('model_type')!r} has no "
+                "known default"
             )
         theta = 10000.0
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta)):
+        raise RopeValueError(f"rope_theta must be a finite number, got {theta!r}")
+    return float(theta)
 
-    if cfg.get("qk_rope_head_dim") is not None:  # DeepSeek MLA: RoPE covers this part alone
-        head_dim = cfg["qk_rope_head_dim"]
-    elif cfg.get("head_dim") is not None:
-        head_dim = cfg["head_dim"]
-    else:
-        hidden, heads = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
-        if hidden % heads:
-            raise RopeValueError(
-                f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})"
-            )
-        head_dim = hidden // heads
+
+def _head_dim(cfg):
+    """The head size transformers' rotary module reads: head_dim, else hidden_size //
+    num_attention_heads (floored, as the family's projections are)."""
+    if cfg.get("head_dim") is not None:
+        return int(cfg["head_dim"])
+    return int(_need(cfg, "hidden_size")) // int(_need(cfg, "num_attention_heads"))
+
+
+def _partial(cfg, params):
     partial = params.get(
         "partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct"))
     )
-    if partial is not None:
-        if not (0 < float(partial) <= 1):
-            raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
-        rotary_dim = int(head_dim * float(partial))  # truncation, as transformers does
-        if rotary_dim % 2:
-            raise RopeValueError(
-                f"partial_rotary_factor {partial} of head_dim {head_dim} gives an odd "
-                f"rotary_dim ({rotary_dim})"
-            )
-    else:
-        rotary_dim = head_dim
-    absolute = cfg.get("rotary_dim")  # GPT-J, CodeGen: the rotated features themselves
-    if absolute is not None:
-        if partial is not None and absolute != rotary_dim:
-            raise RopeValueError(
-                f"config has rotary_dim={absolute} and a partial rotary factor {partial} of "
-                f"head_dim {head_dim} ({rotary_dim} features), which disagree"
-            )
-        rotary_dim = absolute
+    if partial is not None and not (0 < float(partial) <= 1):
+        raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
+    return None if partial is None else float(partial)
 
-    if style is None:
-        if model_type in HALF_FAMILIES:
-            style = "half"
-        elif model_type in INTERLEAVED_FAMILIES:
-            style = "interleaved"
-        else:
-            raise RopeValueError(
-                f"model_type {model_type!r} has no known pair style; pass style='half' "
-                "(rotate_half) or style='interleaved' (adjacent pairs)"
-            )
 
-    max_pos = cfg.get("max_position_embeddings")
+def _style(cfg, style):
+    if style is not None:
+        return style
+    interleave = cfg.get("rope_interleave")
+    if interleave is not None:
+        return "interleaved" if interleave else "half"
+    return "interleaved" if cfg.get("model_type") in INTERLEAVED_FAMILIES else "half"
+
+
+def _rule(kind, params, cfg):
+    from . import scaling as sc
+
     orig = params.get(
         "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
     )
-    rule = None
+    max_pos = cfg.get("max_position_embeddings")
     if kind == "linear":
-        rule = sc.Linear(_need(params, "factor", "rope_scaling"))
-    elif kind == "dynamic":
-        rule = sc.DynamicNTK(
+        return sc.Linear(_need(params, "factor", "rope_scaling"))
+    if kind == "dynamic":
+        return sc.DynamicNTK(
             _need(params, "factor", "rope_scaling"), orig or _need(cfg, "max_position_embeddings")
         )
-    elif kind == "yarn":
+    if kind == "yarn":
         orig = orig or _need(cfg, "max_position_embeddings")
         factor = params.get("factor")
         if factor is None:
             factor = _need(cfg, "max_position_embeddings") / orig
-        rule = sc.YaRN(
+        return sc.YaRN(
             factor,
             orig,
             beta_fast=params.get("beta_fast") or 32.0,
@@ -272,46 +372,122 @@ def rope_from_hf_config(cls, config, style=None, max_positions=None):
             attention_factor=params.get("attention_factor"),
             truncate=params.get("truncate", True),
         )
-    elif kind == "longrope":
+    if kind == "longrope":
         orig = orig or _need(cfg, "max_position_embeddings")
         factor = params.get("factor")
         if factor is None and max_pos is not None:
             factor = max_pos / orig
-        rule = sc.LongRoPE(
+        return sc.LongRoPE(
             _need(params, "short_factor", "rope_scaling"),
             _need(params, "long_factor", "rope_scaling"),
             orig,
             factor=factor,
             attention_factor=params.get("attention_factor"),
         )
-    elif kind == "llama3":
-        rule = sc.Llama3(
+    if kind == "llama3":
+        return sc.Llama3(
             _need(params, "factor", "rope_scaling"),
             _need(params, "low_freq_factor", "rope_scaling"),
             _need(params, "high_freq_factor", "rope_scaling"),
             _need(params, "original_max_position_embeddings", "rope_scaling"),
         )
+    return None
+
+
+def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
+    from . import scaling as sc
+    from ._constructors import general
+    from ._spec import sectioned_pairs
+
+    cfg = _part(_fields(config), part)
+    cfg, params = _layer(cfg, layer_type)
+    model_type = cfg.get("model_type")
+    kind = _kind(params)
+    theta = _theta(cfg, params)
+    partial = _partial(cfg, params)
+    style = _style(cfg, style)
+    sign = -1 if model_type in CLOCKWISE_FAMILIES else 1
+
+    if kind == "axial":  # vision towers: (row, column) positions, each axis half the head
+        head_dim = _head_dim(cfg)
+        if head_dim % 4:
+            raise RopeValueError(
+                f"an axial rope splits the head in two axes of pairs: head_dim {head_dim} is "
+                "not a multiple of 4"
+            )
+        half = head_dim // 2
+        return general(
+            cls, head_dim, head_dim, style, theta, max_positions, None,
+            blocks=[(half, theta), (half, theta)],
+            pair_axis=np.repeat(np.arange(2, dtype=np.int64), half // 2),
+            sign=sign,
+        )  # fmt: skip
+
+    if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
+        head_dim = int(cfg["qk_rope_head_dim"])
+        rotated = head_dim
+        if partial is not None:
+            rotated = int(_head_dim(cfg) * partial)  # transformers scales the config's head_dim
+            if rotated != head_dim:
+                raise RopeValueError(
+                    f"config of model_type {model_type!r} rotates {rotated} features "
+                    f"(partial_rotary_factor {partial} of head_dim {_head_dim(cfg)}) of a "
+                    f"rotary part of qk_rope_head_dim={head_dim}"
+                )
+    else:
+        head_dim = _head_dim(cfg)
+        # transformers truncates, and rotates ceil(rotated / 2) pairs at exponents over
+        # ``rotated`` itself, odd or not
+        rotated = head_dim if partial is None else int(head_dim * partial)
+    absolute = cfg.get("rotary_dim")
+    if absolute is not None and model_type in ABSOLUTE_ROTARY_DIM_FAMILIES:
+        if partial is not None and absolute != rotated:
+            raise RopeValueError(
+                f"config has rotary_dim={absolute} and a partial rotary factor {partial} of "
+                f"head_dim {head_dim} ({rotated} features), which disagree"
+            )
+        rotated = int(absolute)
+    if rotated < 1:
+        raise RopeValueError(f"config rotates no features (head_dim {head_dim}, {partial=})")
+    rotary_dim = rotated + rotated % 2
+
+    if kind == "proportional":
+        rule = sc.Proportional(
+            1.0 if partial is None else partial, params.get("factor", 1.0)
+        )  # fmt: skip
+        rotary_dim, rotated = head_dim, head_dim
+    else:
+        rule = _rule(kind, params, cfg)
 
     sections = params.get("mrope_section")
+    assign = "interleaved" if params.get("mrope_interleaved") else None
+    if model_type in MROPE_FAMILIES:
+        default_sections, default_assign = MROPE_FAMILIES[model_type]
+        sections = default_sections if sections is None else sections
+        assign = assign or default_assign
     if sections is not None:
-        assign = "interleaved" if params.get("mrope_interleaved") else "contiguous"
-        return cls.sectioned(
-            head_dim,
-            tuple(sections),
-            base=theta,
-            style=style,
-            assign=assign,
-            rotary_dim=rotary_dim,
-            max_positions=max_positions,
-            scaling=rule,
+        pair_axis = sectioned_pairs(tuple(sections), assign or "contiguous", rotary_dim)
+    else:
+        pair_axis = np.zeros(rotary_dim // 2, np.int64)
+    return general(
+        cls, head_dim, rotary_dim, style, theta, max_positions, rule,
+        blocks=[(rotated, theta)], pair_axis=pair_axis, sign=sign,
+    )  # fmt: skip
+
+
+def hf_layer_ropes(cls, config, style, max_positions, part):
+    """{layer type: RoPE, or None for a layer type without RoPE} of every layer type."""
+    cfg = _part(_fields(config), part)
+    nested = _nested(cfg)
+    kinds = nested if nested is not None else dict.fromkeys(cfg.get("layer_types") or [])
+    if not kinds:
+        raise RopeValueError("config has no layer_types; use RoPE.from_hf_config")
+    ropes = {}
+    for kind in kinds:
+        if nested is not None and nested[kind] is None:
+            ropes[kind] = None
+            continue
+        ropes[kind] = rope_from_hf_config(
+            cls, config, style, max_positions, kind if nested is not None else None, part
         )
-    if not (isinstance(theta, (int, float)) and math.isfinite(theta)):
-        raise RopeValueError(f"rope_theta must be a finite number, got {theta!r}")
-    return cls(
-        head_dim,
-        base=theta,
-        style=style,
-        rotary_dim=rotary_dim,
-        max_positions=max_positions,
-        scaling=rule,
-    )
+    return ropes

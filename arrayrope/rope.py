@@ -38,7 +38,7 @@ def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
     rope = _restored.get(config)
     if rope is None:
-        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config
+        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, sign = config
         rope = RoPE.__new__(RoPE)
         rope._setup(
             head_dim,
@@ -49,6 +49,7 @@ def _restore(config):
             scaling,
             list(blocks),
             np.array(pair_axis, dtype=np.int64),
+            sign,
         )
         rope = _restored.put(config, rope)
     return rope
@@ -106,9 +107,13 @@ class RoPE:
             pair_axis=np.zeros(rotary_dim // 2, np.int64),
         )
 
-    def _setup(self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis):
+    def _setup(
+        self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, sign=1
+    ):
         """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
-        that are concatenated into inv_freq; ``pair_axis`` gives each pair's position axis."""
+        that are concatenated into inv_freq (ceil(features / 2) pairs each, at exponents over
+        ``features``); ``pair_axis`` gives each pair's position axis; ``sign`` -1 turns every
+        pair the other way (negative frequencies)."""
         self.base = base
         if max_positions is not None:
             max_positions = int_arg("max_positions", max_positions, minimum=1)
@@ -126,6 +131,7 @@ class RoPE:
         self.scaling = scaling
         self.n_axes = int(pair_axis.max()) + 1
         self._blocks = tuple(blocks)
+        self._sign = sign
         self._spec = Spec(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -164,7 +170,7 @@ class RoPE:
                     key,
                     FreqSet.of(
                         self._blocks, self.scaling, key[0], mode, self._spec.pair_axis,
-                        self.max_positions,
+                        self.max_positions, self._sign,
                     ),
                 )  # fmt: skip
         return found
@@ -172,6 +178,7 @@ class RoPE:
     axial = classmethod(_constructors.axial)
     sectioned = classmethod(_constructors.sectioned)
     from_hf_config = classmethod(_constructors.from_hf_config)
+    from_hf_layers = classmethod(_constructors.from_hf_layers)
 
     def __reduce__(self):
         # The configuration only, and one RoPE per configuration per process on the way back:
@@ -186,6 +193,7 @@ class RoPE:
             self._blocks,
             tuple(int(a) for a in self._spec.pair_axis),
             self.base,
+            self._sign,
         )
         return _restore, (config,)
 

@@ -24,7 +24,9 @@ import numpy as np
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
 
-__all__ = ["DynamicNTK", "Linear", "Llama3", "LongRoPE", "NTK", "ScalingRule", "YaRN"]
+__all__ = [
+    "DynamicNTK", "Linear", "Llama3", "LongRoPE", "NTK", "Proportional", "ScalingRule", "YaRN"
+]  # fmt: skip
 
 
 def _real(name, value):
@@ -383,6 +385,46 @@ class LongRoPE(ScalingRule):
         if self.factor is None or self.factor <= 1.0:
             return 1.0
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_positions))
+
+
+@filled
+@dataclass(frozen=True)
+class Proportional(ScalingRule):
+    """Proportional RoPE (Gemma 4's full-attention layers): the first ``fraction`` of the pairs
+    turn at ``base ** (-2 i / d)`` over the whole head, the others not at all; every frequency
+    is divided by ``factor``.
+
+    Parameters
+    ----------
+    fraction : float in (0, 1]
+        Hugging Face's ``partial_rotary_factor`` of ``rope_type: "proportional"``: the rotated
+        pairs are int(fraction * d // 2), paired across the whole head (unlike ``rotary_dim``,
+        which narrows the pairs to the rotated features).
+    factor : float > 0
+
+    Raises
+    ------
+    {raises of a rule}
+    """
+
+    fraction: float
+    factor: float = 1.0
+
+    def __post_init__(self):
+        _coerce(self, fraction=_positive, factor=_positive)
+        if self.fraction > 1:
+            raise RopeValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+
+    def check(self, blocks):
+        if len(blocks) != 1:
+            raise RopeValueError(
+                f"Proportional scales one run of frequencies, got {len(blocks)} axes"
+            )
+
+    def _block(self, dim, base, key):
+        inv_freq = plain_inv_freq(dim, base) / self.factor
+        inv_freq[int(self.fraction * dim // 2) :] = 0.0
+        return inv_freq
 
 
 def _no_two_feature_blocks(blocks, name):

@@ -420,15 +420,30 @@ def test_from_hf_config_rope_parameters_form():
         ({"rope_scaling": {"rope_type": "ntk-by-parts", "factor": 2}}, "unknown rope type"),
         ({"rope_scaling": {"rope_type": "yarn", "type": "linear", "factor": 2}}, "disagree"),
         ({"rope_scaling": {"rope_type": "linear"}}, "has no 'factor'"),
-        ({"model_type": "mamba"}, "model_type 'mamba' has no known pair style"),
-        ({"hidden_size": 4095}, "not a multiple of num_attention_heads"),
-        ({"partial_rotary_factor": 0.3046875}, "odd rotary_dim"),  # 128 * it = 39
         ({"rope_theta": None, "model_type": "qwen2"}, "no rope_theta"),
     ],
 )
 def test_from_hf_config_errors(change, message):
     with pytest.raises(RopeValueError, match=message):
         ar.RoPE.from_hf_config(dict(LLAMA2_7B, **change))
+
+
+def test_from_hf_config_layer_type_errors():
+    flat = dict(LLAMA2_7B, layer_types=["full_attention"])
+    with pytest.raises(RopeValueError, match="layer_type 'sliding_attention' is not a layer"):
+        ar.RoPE.from_hf_config(flat, layer_type="sliding_attention")
+    nested = dict(LLAMA2_7B, rope_parameters={"full_attention": {"rope_theta": 1e4}, "x": None})
+    with pytest.raises(RopeValueError, match="one RoPE per layer type"):
+        ar.RoPE.from_hf_config(nested)
+    with pytest.raises(RopeValueError, match="must be one of 'full_attention', 'x', got 'y'"):
+        ar.RoPE.from_hf_config(nested, layer_type="y")
+    with pytest.raises(RopeValueError, match="layer type 'x' of this config has no RoPE"):
+        ar.RoPE.from_hf_config(nested, layer_type="x")
+    assert ar.RoPE.from_hf_layers(nested)["x"] is None
+    with pytest.raises(RopeValueError, match="has no vision_config"):
+        ar.RoPE.from_hf_config(LLAMA2_7B, part="vision")
+    with pytest.raises(RopeValueError, match="part must be one of"):
+        ar.RoPE.from_hf_config(LLAMA2_7B, part="speech")
 
 
 def _write(tmp_path, config):
