@@ -1,0 +1,448 @@
+"""Every rotary family of the installed transformers, found in its modeling modules and driven by
+its own code, against RoPE.from_hf_config.
+
+A family's rotary module (a class whose name holds "Rotary") is built from its config class's
+defaults (the sub-config it accepts, for a composite model), and each attention class of the
+module that takes the rotary module's output runs with it: its projections replaced by fixed
+random outputs, and its attention function by one that records the query and key it is given.
+Run once with the identity rotation (cos 1, sin 0) and once with the module's cos and sin, the
+attention gives q0 and q1; arrayrope's RoPE from the same config must take q0 to q1 (and k0 to
+k1). Nothing is listed by hand: a family added by a later transformers is checked the day it is
+installed.
+
+    python tests/hf_families.py          # the table: family, rotary class, outcome, detail
+"""
+
+import contextlib
+import dataclasses
+import glob
+import importlib
+import inspect
+import os
+import re
+import sys
+import typing
+import warnings
+import zlib
+
+import numpy as np
+
+import arrayrope as ar
+
+MATCH, REFUSED, UNDRIVEN, WRONG = "match", "refused", "undriven", "wrong"
+_RANK = {WRONG: 0, REFUSED: 1, MATCH: 2, UNDRIVEN: 3}
+
+
+@dataclasses.dataclass
+class Outcome:
+    family: str  # the modeling package
+    rotary: str  # the rotary class
+    model_type: str | None
+    status: str
+    detail: str
+
+
+class _Captured(Exception):
+    def __init__(self, query, key):
+        self.query, self.key = query, key
+
+
+def _capture(module, query, key, *args, **kwargs):
+    raise _Captured(query.detach().clone(), key.detach().clone())
+
+
+def modules():
+    """The modeling modules of the installed transformers that hold rotary code."""
+    import transformers.models
+
+    root = transformers.models.__path__[0]
+    for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
+        with open(path) as f:
+            if not re.search(r"RotaryEmbedding|def apply_rotary|rotate_half", f.read()):
+                continue
+        package = os.path.basename(os.path.dirname(path))
+        yield package, f"transformers.models.{package}.{os.path.basename(path)[:-3]}"
+
+
+def components():
+    """(family, module name, rotary class name) of every rotary class."""
+    import torch
+
+    found = []
+    for family, name in modules():
+        module = importlib.import_module(name)
+        for cls_name, cls in vars(module).items():
+            if (
+                isinstance(cls, type)
+                and cls.__module__ == name
+                and "Rotary" in cls_name
+                and issubclass(cls, torch.nn.Module)
+            ):
+                found.append((family, name, cls_name))
+    return found
+
+
+def _config_class(cls):
+    """The config class a module's constructor annotates, or None."""
+    from transformers import PreTrainedConfig
+
+    params = list(inspect.signature(cls.__init__).parameters)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - annotations that do not resolve
+        hints = {}
+    kind = hints.get(params[1]) if len(params) > 1 else None
+    if isinstance(kind, type) and issubclass(kind, PreTrainedConfig):
+        return kind
+    return None
+
+
+def _sub_configs(config):
+    from transformers import PreTrainedConfig
+
+    found = [config]
+    for value in vars(config).values():
+        if isinstance(value, PreTrainedConfig):
+            found += _sub_configs(value)
+    return found
+
+
+class _Fixed:
+    """A Linear layer's stand-in: a fixed random output of the right width for each input
+    shape, the same in both runs."""
+
+    def __new__(cls, name, out_features):
+        import torch
+
+        class Fixed(torch.nn.Module):
+            def forward(self, x, *args, **kwargs):
+                seed = zlib.crc32(f"{name}{tuple(x.shape)}".encode())
+                g = torch.Generator().manual_seed(seed)
+                return torch.randn(*x.shape[:-1], out_features, generator=g)
+
+        return Fixed()
+
+
+def _attention(cls, configs, layer_idx):
+    """The attention class built from the first of ``configs`` it takes, on fixed layers."""
+    import torch
+
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {"layer_idx": layer_idx} if "layer_idx" in params else {}
+    error = None
+    for config in configs:
+        try:
+            with torch.device("meta"):
+                attention = cls(config, **kwargs)
+            break
+        except Exception as e:  # noqa: BLE001 - a config of another part
+            error = e
+    else:
+        raise error
+    for name, child in list(attention.named_modules()):
+        for child_name, grandchild in list(child.named_children()):
+            if isinstance(grandchild, torch.nn.Linear):
+                setattr(child, child_name, _Fixed(f"{name}.{child_name}", grandchild.out_features))
+    size = sum(t.numel() for t in attention.parameters()) + sum(
+        t.numel() for t in attention.buffers()
+    )
+    if size > 1 << 26:
+        raise MemoryError(f"{cls.__name__} holds {size} elements besides its Linear layers")
+    attention = attention.to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for tensor in list(attention.parameters()) + list(attention.buffers()):
+            if tensor.is_floating_point():
+                tensor.fill_(0.5)
+    return attention
+
+
+@contextlib.contextmanager
+def _recording(module, config):
+    old = getattr(module, "eager_attention_forward", None)
+    module.eager_attention_forward = _capture
+    try:
+        config._attn_implementation = "eager"
+    except Exception:  # noqa: BLE001 - a config that fixes its implementation
+        pass
+    try:
+        yield
+    finally:
+        if old is not None:
+            module.eager_attention_forward = old
+
+
+def _run(attention, module, config, hidden, embeddings, extra):
+    """(query, key) the attention hands its attention function, given these cos and sin."""
+    params = inspect.signature(attention.forward).parameters
+    kwargs = {"position_embeddings": embeddings} if embeddings is not None else {}
+    for name, p in params.items():
+        if name in ("hidden_states", "position_embeddings") or p.kind in (
+            p.VAR_KEYWORD,
+            p.VAR_POSITIONAL,
+        ):
+            continue
+        if name in extra:
+            kwargs[name] = extra[name]
+        elif p.default is inspect.Parameter.empty:
+            kwargs[name] = None
+    with _recording(module, config):
+        try:
+            attention(hidden, **kwargs)
+        except _Captured as captured:
+            return captured.query, captured.key
+    raise RuntimeError("the attention did not reach its attention function")
+
+
+def _identity(at_zero):
+    """The rotary output that turns nothing, from the output at position 0 (cos there is the
+    attention scaling and sin 0, in whichever order and form the family returns them)."""
+    import torch
+
+    if isinstance(at_zero, torch.Tensor):  # complex exponentials (DeepSeek-V2, Llama 4)
+        return (at_zero != 0).to(at_zero.dtype)
+    return tuple(_identity(t) for t in at_zero)
+
+
+class _Switch:
+    """The family's rotary module where an attention class builds its own: its output as it
+    is, or turned into the identity's."""
+
+    def __new__(cls, rotary, identity):
+        import torch
+
+        class Switch(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rotary = rotary
+                self.identity = identity
+
+            def forward(self, *args, **kwargs):
+                out = self.rotary(*args, **kwargs)
+                if self.identity:
+                    zero = [torch.zeros_like(a) if isinstance(a, torch.Tensor) and not
+                            a.is_floating_point() else a for a in args]
+                    return _identity(self.rotary(*zero, **kwargs))
+                return out
+
+        return Switch()
+
+
+def _close(got, want, x, positions):
+    scale = float(np.abs(x).max()) or 1.0
+    bound = scale * (1e-5 + 4e-7 * float(np.max(positions)))  # float32 angles: ~eps * m
+    err = float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max())
+    return err <= bound, err / scale
+
+
+def _rotate(rope, x, pos, head_axis, deinterleaved):
+    """arrayrope's rotation of the family's identity output ``x``: the RoPE covers the last
+    rope.head_dim features (all of them, or MLA's rotary part); a family that writes its
+    interleaved pairs de-interleaved gives P x at the identity and P R x after."""
+    x = np.ascontiguousarray(x)
+    n = rope.head_dim
+    part = x[..., x.shape[-1] - n :]
+    if deinterleaved:
+        perm = np.r_[np.arange(0, n, 2), np.arange(1, n, 2)]
+        part = np.ascontiguousarray(part[..., np.argsort(perm)])
+    kw = {"head_axis": head_axis} if head_axis is not None else {}
+    out = x.copy()
+    rotated = rope.rotate(part, pos, **kw)
+    out[..., x.shape[-1] - n :] = rotated[..., perm] if deinterleaved else rotated
+    return out
+
+
+def _repaired(config):
+    """Fields the attention classes read that a config class may leave None by default,
+    derived as transformers derives them elsewhere."""
+    for name, value in (
+        ("head_dim", lambda: config.hidden_size // config.num_attention_heads),
+        ("num_key_value_heads", lambda: config.num_attention_heads),
+    ):
+        try:
+            if hasattr(config, name) and getattr(config, name) is None:
+                setattr(config, name, value())
+        except Exception:  # noqa: BLE001 - a config without the fields it derives from
+            pass
+    return config
+
+
+def _swap_rotary(attention, rotary_cls, rotary, identity):
+    """Put the family's rotary module, switched, wherever the attention holds one; False where
+    it holds none."""
+    found = False
+    for name, child in list(attention.named_modules()):
+        for child_name, grandchild in list(child.named_children()):
+            if isinstance(grandchild, rotary_cls) or type(grandchild).__name__ == "Switch":
+                setattr(child, child_name, _Switch(rotary, identity))
+                found = True
+    return found
+
+
+def _attention_classes(module, module_name, rotary_cls):
+    """Classes of the module that apply a rotary embedding: attention classes and layers that
+    take its output, or hold the rotary module and take positions."""
+    import torch
+
+    found = []
+    for cls in vars(module).values():
+        if not (
+            isinstance(cls, type)
+            and cls.__module__ == module_name
+            and issubclass(cls, torch.nn.Module)
+            and cls is not rotary_cls
+            and re.search("Attention|Layer|Block", cls.__name__)
+        ):
+            continue
+        params = inspect.signature(cls.forward).parameters
+        if "position_embeddings" in params or "position_ids" in params:
+            found.append(cls)
+    # attention classes first: a layer holds one, and more besides
+    return sorted(found, key=lambda c: "Attention" not in c.__name__)
+
+
+def drive(module_name, rotary_name, seed=0):
+    """The Outcome of one rotary class."""
+    import torch
+
+    module = importlib.import_module(module_name)
+    rotary_cls = getattr(module, rotary_name)
+    family = module_name.split(".")[2]
+
+    def outcome(status, detail, model_type=None):
+        return Outcome(family, rotary_name, model_type, status, detail[:300])
+
+    config_cls = _config_class(rotary_cls)
+    if config_cls is None:
+        return outcome(UNDRIVEN, "its constructor takes no transformers config")
+    try:
+        top = config_cls()
+    except Exception as error:  # noqa: BLE001
+        return outcome(UNDRIVEN, f"its config class has no defaults: {error!r}")
+    config, rotary, error = None, None, None
+    for candidate in _sub_configs(top):
+        try:
+            rotary = rotary_cls(candidate)
+            config = candidate
+            break
+        except Exception as e:  # noqa: BLE001 - the sub-config it does not take
+            error = e
+    if config is None:
+        return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
+    model_type = getattr(config, "model_type", None)
+    for c in _sub_configs(top):
+        _repaired(c)
+
+    rng = np.random.default_rng(zlib.crc32(rotary_name.encode()) + seed)
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    keys = getattr(config, "nested_rope_parameter_keys", lambda p: [])(rope_parameters)
+    nested = {k: rope_parameters[k] for k in keys}
+    flat = rope_parameters if not nested else {}
+    axial = flat.get("rope_type") == "axial"
+    sections = getattr(rotary, "mrope_section", None) or flat.get("mrope_section")
+    B, T = 2, 5
+    top_position = min(3000, (getattr(config, "max_position_embeddings", None) or 4096) - T)
+    if axial:
+        position_ids = torch.from_numpy(rng.integers(0, 64, size=(B * T, 2)))
+        positions, head_axis = position_ids.numpy(), None
+    elif sections:
+        position_ids = torch.from_numpy(rng.integers(0, top_position, size=(3, B, T)))
+        positions, head_axis = np.moveaxis(position_ids.numpy(), 0, -1), 1
+    else:
+        start = rng.integers(0, top_position, size=(B, 1))
+        position_ids = torch.from_numpy(start + np.arange(T)[None])
+        positions, head_axis = position_ids.numpy(), 1
+
+    forward = inspect.signature(rotary.forward).parameters
+    layer_types = list(dict.fromkeys(getattr(config, "layer_types", None) or [None]))
+    if nested:
+        layer_types = [t for t in layer_types if nested.get(t) is not None] or [None]
+    attentions = _attention_classes(module, module_name, rotary_cls)
+    hidden_size = getattr(config, "hidden_size", None) or 8
+    shape = (B * T, hidden_size) if axial else (B, T, hidden_size)
+    hidden = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    extra = {"position_ids": position_ids, "cache_position": torch.arange(T)}
+    if axial:
+        extra["cu_seqlens"] = torch.tensor([0, B * T], dtype=torch.int32)
+
+    configs = [config] + [c for c in _sub_configs(top) if c is not config]
+    results = []
+    for layer_type in layer_types:
+        all_types = getattr(config, "layer_types", None) or []
+        layer_idx = all_types.index(layer_type) if layer_type in all_types else 0
+        args = (layer_type,) if "layer_type" in forward and layer_type is not None else ()
+        try:
+            embeddings = rotary(hidden, position_ids, *args)
+            at_zero = rotary(hidden, torch.zeros_like(position_ids), *args)
+        except Exception as e:  # noqa: BLE001
+            results.append((UNDRIVEN, f"its forward: {e!r}"))
+            continue
+        for attention_cls in attentions:
+            if "Attention" not in attention_cls.__name__ and any(
+                r[0] != UNDRIVEN for r in results
+            ):
+                break
+            try:
+                attention = _attention(attention_cls, configs, layer_idx)
+                if "position_embeddings" in inspect.signature(attention.forward).parameters:
+                    runs = [_identity(at_zero), embeddings]
+                elif _swap_rotary(attention, rotary_cls, rotary, True):
+                    runs = [True, False]
+                else:
+                    continue
+                captured = []
+                for run in runs:
+                    if isinstance(run, bool):
+                        _swap_rotary(attention, rotary_cls, rotary, run)
+                        run = None
+                    captured.append(_run(attention, module, config, hidden, run, extra))
+            except Exception as e:  # noqa: BLE001 - an attention class of another part
+                results.append((UNDRIVEN, f"{attention_cls.__name__}: {e!r}"))
+                continue
+            (q0, k0), (q1, k1) = captured
+            if torch.equal(q0, q1) and torch.equal(k0, k1):
+                continue  # a layer that ignores the rotary embedding (NoPE)
+            kw = {"layer_type": layer_type} if nested else {}
+            try:
+                rope = ar.RoPE.from_hf_config(config, **kw)
+            except ar.RopeError as e:
+                results.append((REFUSED, str(e)))
+                continue
+            q0, k0, q1, k1 = (t.numpy() for t in (q0, k0, q1, k1))
+            where = f"{attention_cls.__name__}[{layer_type}]"
+            try:
+                for deinterleaved in (False, True) if rope.style == "interleaved" else (False,):
+                    got_q = _rotate(rope, q0, positions, head_axis, deinterleaved)
+                    got_k = _rotate(rope, k0, positions, head_axis, deinterleaved)
+                    ok_q, err_q = _close(got_q, q1, q0, positions)
+                    ok_k, err_k = _close(got_k, k1, k0, positions)
+                    if ok_q and ok_k:
+                        break
+            except ar.RopeError as e:
+                results.append((WRONG, f"{where}: arrayrope refused the family's arrays: {e}"))
+                continue
+            if ok_q and ok_k:
+                note = ", written de-interleaved" if deinterleaved else ""
+                results.append((MATCH, f"{where}: {rope!r}{note}"))
+            else:
+                results.append((WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"))
+    if not results:
+        return outcome(UNDRIVEN, "no attention class of its module runs it", model_type)
+    status = min((r[0] for r in results), key=_RANK.get)
+    return outcome(status, next(r[1] for r in results if r[0] == status), model_type)
+
+
+def main():
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    counts = {}
+    for family, module_name, rotary_name in components():
+        result = drive(module_name, rotary_name)
+        counts[result.status] = counts.get(result.status, 0) + 1
+        print(f"{result.status:9} {family:24} {result.rotary:40} {result.detail}", flush=True)
+    print(counts, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
