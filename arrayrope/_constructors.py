@@ -122,14 +122,14 @@ def sectioned(
 
 
 def general(cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis,
-            sign=1):
+            pick=None):
     """A RoPE of any frequency blocks and pair layout (see RoPE._setup), checked as the public
     constructors check theirs: what a Hugging Face config can describe."""
     head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
     rope = cls.__new__(cls)
     rope._setup(
         head_dim, rotary_dim, style_arg(style), base_arg(base), max_positions, scaling,
-        blocks, pair_axis, sign,
+        blocks, pair_axis, pick,
     )  # fmt: skip
     return rope
 

@@ -36,6 +36,11 @@ INTERLEAVED_FAMILIES = frozenset(
         "glm4v_moe_text",
         "glm_ocr_text",
         "helium",
+        "llama4_text",
+        "moonshine",
+        "moonshine_streaming",
+        "ernie4_5_vl_moe_text",
+        "inkling2_vision",
         "openai_privacy_filter",
         "pe_audio_encoder",
         "pe_audio_video_encoder",
@@ -65,6 +70,16 @@ MROPE_FAMILIES = {
     "glm4v_moe_text": ((8, 12, 12), "contiguous"),
     "glm_ocr_text": ((8, 12, 12), "contiguous"),
     "glm_image_text": ((8, 12, 12), "contiguous"),
+    "ernie4_5_vl_moe_text": ((22, 22, 20), "height-width alternating"),
+}
+# Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
+# each axis on half the head): the position axis each run of pairs reads, in head order, and
+# whether the axes alternate pair by pair instead of taking runs.
+AXIAL_LAYOUTS = {
+    "inkling2_vision": ((1, 0), False),
+    "kimi_k25_vision": ((1, 0), True),
+    "step3p5_vision": ((1, 0), False),
+    "minimax_m3_vl_vision": ((0, 1, 2), False),
 }
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
@@ -408,21 +423,8 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
     style = _style(cfg, style)
     sign = -1 if model_type in CLOCKWISE_FAMILIES else 1
 
-    if kind == "axial":  # vision towers: (row, column) positions, each axis half the head
-        head_dim = _head_dim(cfg)
-        if head_dim % 4:
-            raise RopeValueError(
-                f"an axial rope splits the head in two axes of pairs: head_dim {head_dim} is "
-                "not a multiple of 4"
-            )
-        half = head_dim // 2
-        return general(
-            cls, head_dim, head_dim, style, theta, max_positions, None,
-            blocks=[(half, theta), (half, theta)],
-            pair_axis=np.repeat(np.arange(2, dtype=np.int64), half // 2),
-            sign=sign,
-        )  # fmt: skip
-
+    if kind == "axial":
+        return _axial(cls, cfg, style, theta, max_positions, sign)
     if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
         head_dim = int(cfg["qk_rope_head_dim"])
         rotated = head_dim
@@ -465,13 +467,63 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
         default_sections, default_assign = MROPE_FAMILIES[model_type]
         sections = default_sections if sections is None else sections
         assign = assign or default_assign
-    if sections is not None:
-        pair_axis = sectioned_pairs(tuple(sections), assign or "contiguous", rotary_dim)
-    else:
+    if sections is None:
         pair_axis = np.zeros(rotary_dim // 2, np.int64)
+    elif assign == "height-width alternating":
+        pair_axis = _alternating_sections(tuple(sections), rotary_dim // 2)
+    else:
+        pair_axis = sectioned_pairs(tuple(sections), assign or "contiguous", rotary_dim)
     return general(
         cls, head_dim, rotary_dim, style, theta, max_positions, rule,
-        blocks=[(rotated, theta)], pair_axis=pair_axis, sign=sign,
+        blocks=[(rotated, theta)], pair_axis=pair_axis, pick=_pick(sign, None, rotary_dim // 2),
+    )  # fmt: skip
+
+
+def _pick(sign, order, pairs):
+    if sign == 1 and order is None:
+        return None
+    return sign, tuple(range(pairs) if order is None else (int(j) for j in order))
+
+
+def _alternating_sections(sections, pairs):
+    """ERNIE-4.5-VL's M-RoPE: the pairs of the first two sections alternate between height and
+    width, pair by pair, and the third section's pairs take time."""
+    height, width, time = sections
+    if height != width or sum(sections) != pairs:
+        raise RopeValueError(
+            f"mrope_section {list(sections)} must have equal height and width sections summing "
+            f"with time to the {pairs} rotated pairs"
+        )
+    return np.r_[np.tile([1, 2], height), np.zeros(time, np.int64)].astype(np.int64)
+
+
+def _axial(cls, cfg, style, theta, max_positions, sign):
+    """A vision tower's RoPE (rope_type "axial"): positions (..., n_axes) in the order of the
+    family's position ids, as AXIAL_LAYOUTS describes the family's pairs."""
+    from ._constructors import general
+
+    model_type = cfg.get("model_type")
+    axes, alternate = AXIAL_LAYOUTS.get(model_type, ((0, 1), False))
+    n = len(axes)
+    head_dim = _head_dim(
+        {**cfg, "hidden_size": cfg.get("embed_dim") or cfg.get("hidden_size")}
+    )  # fmt: skip
+    # the features of one axis, as the families' code computes them
+    spatial = head_dim // 2 if n == 2 else 2 * ((head_dim // n) // 2)
+    per_axis = (spatial + 1) // 2
+    if per_axis < 1:
+        raise RopeValueError(f"head_dim {head_dim} is too small for {n} axes")
+    if alternate:
+        order = [k * per_axis + i for i in range(per_axis) for k in range(n)]
+        pair_axis = np.array([axes[k] for _ in range(per_axis) for k in range(n)], np.int64)
+    else:
+        order = None
+        pair_axis = np.repeat(np.array(axes, np.int64), per_axis)
+    rotary_dim = 2 * n * per_axis
+    return general(
+        cls, head_dim, rotary_dim, style, theta, max_positions, None,
+        blocks=[(spatial, theta)] * n, pair_axis=pair_axis,
+        pick=_pick(sign, order, n * per_axis),
     )  # fmt: skip
 
 

@@ -52,18 +52,22 @@ class FreqSet:
         self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
 
     @classmethod
-    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, sign=1):
+    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, pick=None):
         """The set of a RoPE's frequency ``blocks`` ((features, base) runs, concatenated) under
-        ``scaling`` at its ``selected`` length, times ``sign``, whose tables multiply into cos
-        and sin what ``mode`` asks: the attention scaling ("rotate"), one ("shift": a pure
-        rotation), or its inverse ("undo": the exact undo)."""
+        ``scaling`` at its ``selected`` length, handed to the pairs as ``pick`` says (see
+        RoPE._setup), whose tables multiply into cos and sin what ``mode`` asks: the attention
+        scaling ("rotate"), one ("shift": a pure rotation), or its inverse ("undo": the exact
+        undo)."""
         if scaling is None:
             inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in blocks])
             scale = 1.0
         else:
             inv_freq, scale = scaling.frequencies(blocks, selected)
         scale = {"rotate": scale, "shift": 1.0, "undo": 1.0 / scale}[mode]
-        inv_freq = np.ascontiguousarray(sign * inv_freq, dtype=np.float64)
+        if pick is not None:
+            sign, order = pick
+            inv_freq = sign * np.asarray(inv_freq)[list(order)]
+        inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
         return cls(inv_freq, pair_axis, scale, max_rows)
 
 

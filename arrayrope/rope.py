@@ -38,7 +38,7 @@ def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
     rope = _restored.get(config)
     if rope is None:
-        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, sign = config
+        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, pick = config
         rope = RoPE.__new__(RoPE)
         rope._setup(
             head_dim,
@@ -49,7 +49,7 @@ def _restore(config):
             scaling,
             list(blocks),
             np.array(pair_axis, dtype=np.int64),
-            sign,
+            pick,
         )
         rope = _restored.put(config, rope)
     return rope
@@ -108,12 +108,12 @@ class RoPE:
         )
 
     def _setup(
-        self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, sign=1
+        self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, pick=None
     ):
         """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
         that are concatenated into inv_freq (ceil(features / 2) pairs each, at exponents over
-        ``features``); ``pair_axis`` gives each pair's position axis; ``sign`` -1 turns every
-        pair the other way (negative frequencies)."""
+        ``features``); ``pair_axis`` gives each pair's position axis; ``pick`` = (sign, order),
+        where given, makes pair j's frequency sign * (the blocks' frequencies)[order[j]]."""
         self.base = base
         if max_positions is not None:
             max_positions = int_arg("max_positions", max_positions, minimum=1)
@@ -131,7 +131,7 @@ class RoPE:
         self.scaling = scaling
         self.n_axes = int(pair_axis.max()) + 1
         self._blocks = tuple(blocks)
-        self._sign = sign
+        self._pick = pick
         self._spec = Spec(
             head_dim=head_dim,
             rotary_dim=rotary_dim,
@@ -170,7 +170,7 @@ class RoPE:
                     key,
                     FreqSet.of(
                         self._blocks, self.scaling, key[0], mode, self._spec.pair_axis,
-                        self.max_positions, self._sign,
+                        self.max_positions, self._pick,
                     ),
                 )  # fmt: skip
         return found
@@ -193,7 +193,7 @@ class RoPE:
             self._blocks,
             tuple(int(a) for a in self._spec.pair_axis),
             self.base,
-            self._sign,
+            self._pick,
         )
         return _restore, (config,)
 

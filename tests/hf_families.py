@@ -342,7 +342,15 @@ def drive(module_name, rotary_name, seed=0):
     B, T = 2, 5
     top_position = min(3000, (getattr(config, "max_position_embeddings", None) or 4096) - T)
     if axial:
-        position_ids = torch.from_numpy(rng.integers(0, 64, size=(B * T, 2)))
+        # (patch, axis) coordinates, with the fewest axes that give the widest rotation
+        widths = {}
+        for n_axes in (2, 3):
+            try:
+                widths[n_axes] = rotary(torch.zeros(1), torch.zeros(4, n_axes))[0].shape[-1]
+            except Exception:  # noqa: BLE001 - not this many axes
+                pass
+        n_axes = max(widths, key=lambda n: (widths[n], -n)) if widths else 2
+        position_ids = torch.from_numpy(rng.integers(0, 64, size=(B * T, n_axes)))
         positions, head_axis = position_ids.numpy(), None
     elif sections:
         position_ids = torch.from_numpy(rng.integers(0, top_position, size=(3, B, T)))
