@@ -41,6 +41,7 @@ INTERLEAVED_FAMILIES = frozenset(
         "moonshine_streaming",
         "ernie4_5_vl_moe_text",
         "inkling2_vision",
+        "hy_v4_vl_text",
         "openai_privacy_filter",
         "pe_audio_encoder",
         "pe_audio_video_encoder",
@@ -71,15 +72,19 @@ MROPE_FAMILIES = {
     "glm_ocr_text": ((8, 12, 12), "contiguous"),
     "glm_image_text": ((8, 12, 12), "contiguous"),
     "ernie4_5_vl_moe_text": ((22, 22, 20), "height-width alternating"),
+    "hy_v4_vl_text": ((24, 20, 20), "interleaved"),
 }
 # Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
-# each axis on half the head): the position axis each run of pairs reads, in head order, and
-# whether the axes alternate pair by pair instead of taking runs.
+# each axis a run of pairs on its own frequencies over half the head): the position axis each
+# run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
+# frequencies), "alternating" (the axes take turns pair by pair), or "split" (one set over the
+# whole head, its even frequencies to the first run and its odd ones to the second: Pixtral).
 AXIAL_LAYOUTS = {
-    "inkling2_vision": ((1, 0), False),
-    "kimi_k25_vision": ((1, 0), True),
-    "step3p5_vision": ((1, 0), False),
-    "minimax_m3_vl_vision": ((0, 1, 2), False),
+    "inkling2_vision": ((1, 0), "runs"),
+    "kimi_k25_vision": ((1, 0), "alternating"),
+    "step3p5_vision": ((1, 0), "runs"),
+    "minimax_m3_vl_vision": ((0, 1, 2), "runs"),
+    "pixtral": ((0, 1), "split"),
 }
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
@@ -502,8 +507,7 @@ def _axial(cls, cfg, style, theta, max_positions, sign):
     family's position ids, as AXIAL_LAYOUTS describes the family's pairs."""
     from ._constructors import general
 
-    model_type = cfg.get("model_type")
-    axes, alternate = AXIAL_LAYOUTS.get(model_type, ((0, 1), False))
+    axes, frequencies = AXIAL_LAYOUTS.get(cfg.get("model_type"), ((0, 1), "runs"))
     n = len(axes)
     head_dim = _head_dim(
         {**cfg, "hidden_size": cfg.get("embed_dim") or cfg.get("hidden_size")}
@@ -513,17 +517,17 @@ def _axial(cls, cfg, style, theta, max_positions, sign):
     per_axis = (spatial + 1) // 2
     if per_axis < 1:
         raise RopeValueError(f"head_dim {head_dim} is too small for {n} axes")
-    if alternate:
+    pair_axis = np.repeat(np.array(axes, np.int64), per_axis)
+    blocks, order = [(spatial, theta)] * n, None
+    if frequencies == "alternating":
         order = [k * per_axis + i for i in range(per_axis) for k in range(n)]
-        pair_axis = np.array([axes[k] for _ in range(per_axis) for k in range(n)], np.int64)
-    else:
-        order = None
-        pair_axis = np.repeat(np.array(axes, np.int64), per_axis)
-    rotary_dim = 2 * n * per_axis
+        pair_axis = np.tile(np.array(axes, np.int64), per_axis)
+    elif frequencies == "split":
+        blocks = [(head_dim, theta)]
+        order = list(range(0, 2 * per_axis, 2)) + list(range(1, 2 * per_axis, 2))
     return general(
-        cls, head_dim, rotary_dim, style, theta, max_positions, None,
-        blocks=[(spatial, theta)] * n, pair_axis=pair_axis,
-        pick=_pick(sign, order, n * per_axis),
+        cls, head_dim, 2 * n * per_axis, style, theta, max_positions, None,
+        blocks=blocks, pair_axis=pair_axis, pick=_pick(sign, order, n * per_axis),
     )  # fmt: skip
 
 

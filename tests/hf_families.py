@@ -30,7 +30,8 @@ import numpy as np
 import arrayrope as ar
 
 MATCH, REFUSED, UNDRIVEN, WRONG = "match", "refused", "undriven", "wrong"
-_RANK = {WRONG: 0, REFUSED: 1, MATCH: 2, UNDRIVEN: 3}
+_RANK = {WRONG: 0, REFUSED: 1, MATCH: 2, UNDRIVEN: 3}  # the outcome of one run: its worst
+_BEST = {MATCH: 0, REFUSED: 1, WRONG: 2, UNDRIVEN: 3}  # of a vision tower's two input shapes
 
 
 @dataclasses.dataclass
@@ -141,7 +142,7 @@ def _attention(cls, configs, layer_idx):
         raise error
     for name, child in list(attention.named_modules()):
         for child_name, grandchild in list(child.named_children()):
-            if isinstance(grandchild, torch.nn.Linear):
+            if isinstance(grandchild, torch.nn.Linear) and grandchild.weight.numel() > 1 << 20:
                 setattr(child, child_name, _Fixed(f"{name}.{child_name}", grandchild.out_features))
     size = sum(t.numel() for t in attention.parameters()) + sum(
         t.numel() for t in attention.buffers()
@@ -149,9 +150,16 @@ def _attention(cls, configs, layer_idx):
     if size > 1 << 26:
         raise MemoryError(f"{cls.__name__} holds {size} elements besides its Linear layers")
     attention = attention.to_empty(device="cpu").eval()
+    # Linear layers random; every other weight (norms, scales after the rotation) one constant,
+    # which commutes with a rotation
+    g = torch.Generator().manual_seed(zlib.crc32(cls.__name__.encode()))
+    linear = {id(p) for m in attention.modules() if isinstance(m, torch.nn.Linear)
+              for p in m.parameters()}  # fmt: skip
     with torch.no_grad():
         for tensor in list(attention.parameters()) + list(attention.buffers()):
-            if tensor.is_floating_point():
+            if id(tensor) in linear:
+                tensor.copy_(torch.randn(tensor.shape, generator=g) / tensor.shape[-1] ** 0.5)
+            elif tensor.is_floating_point():
                 tensor.fill_(0.5)
     return attention
 
@@ -181,10 +189,9 @@ def _run(attention, module, config, hidden, embeddings, extra):
             p.VAR_POSITIONAL,
         ):
             continue
-        if name in extra:
-            kwargs[name] = extra[name]
-        elif p.default is inspect.Parameter.empty:
-            kwargs[name] = None
+        if p.default is not inspect.Parameter.empty and name != "position_ids":
+            continue
+        kwargs[name] = extra.get(name)
     with _recording(module, config):
         try:
             attention(hidden, **kwargs)
@@ -342,14 +349,20 @@ def drive(module_name, rotary_name, seed=0):
     B, T = 2, 5
     top_position = min(3000, (getattr(config, "max_position_embeddings", None) or 4096) - T)
     if axial:
-        # (patch, axis) coordinates, with the fewest axes that give the widest rotation
+        # (patch, axis) coordinates, with the fewest axes that give the widest rotation that
+        # fits a head
+        head = getattr(config, "head_dim", None) or (
+            (getattr(config, "embed_dim", None) or getattr(config, "hidden_size", 0))
+            // (getattr(config, "num_attention_heads", None) or 1)
+        )
         widths = {}
         for n_axes in (2, 3):
             try:
                 widths[n_axes] = rotary(torch.zeros(1), torch.zeros(4, n_axes))[0].shape[-1]
             except Exception:  # noqa: BLE001 - not this many axes
                 pass
-        n_axes = max(widths, key=lambda n: (widths[n], -n)) if widths else 2
+        fitting = {n: w for n, w in widths.items() if w <= head} or widths
+        n_axes = max(fitting, key=lambda n: (fitting[n], -n)) if fitting else 2
         position_ids = torch.from_numpy(rng.integers(0, 64, size=(B * T, n_axes)))
         positions, head_axis = position_ids.numpy(), None
     elif sections:
@@ -366,77 +379,98 @@ def drive(module_name, rotary_name, seed=0):
         layer_types = [t for t in layer_types if nested.get(t) is not None] or [None]
     attentions = _attention_classes(module, module_name, rotary_cls)
     hidden_size = getattr(config, "hidden_size", None) or 8
-    shape = (B * T, hidden_size) if axial else (B, T, hidden_size)
-    hidden = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
     extra = {"position_ids": position_ids, "cache_position": torch.arange(T)}
-    if axial:
+    if not axial:  # where an attention class needs a mask: one that hides nothing
+        extra["attention_mask"] = torch.zeros(B, 1, T, T)
+    else:
         extra["cu_seqlens"] = torch.tensor([0, B * T], dtype=torch.int32)
-
     configs = [config] + [c for c in _sub_configs(top) if c is not config]
-    results = []
-    for layer_type in layer_types:
-        all_types = getattr(config, "layer_types", None) or []
-        layer_idx = all_types.index(layer_type) if layer_type in all_types else 0
-        args = (layer_type,) if "layer_type" in forward and layer_type is not None else ()
+
+    def attempt(hidden):
+        results = []
+        for layer_type in layer_types:
+            all_types = getattr(config, "layer_types", None) or []
+            layer_idx = all_types.index(layer_type) if layer_type in all_types else 0
+            args = (layer_type,) if "layer_type" in forward and layer_type is not None else ()
+            try:
+                embeddings = rotary(hidden, position_ids, *args)
+                at_zero = rotary(hidden, torch.zeros_like(position_ids), *args)
+            except Exception as e:  # noqa: BLE001
+                results.append((UNDRIVEN, f"its forward: {e!r}"))
+                continue
+            for attention_cls in attentions:
+                if "Attention" not in attention_cls.__name__ and any(
+                    r[0] != UNDRIVEN for r in results
+                ):
+                    break
+                result = compare(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero)
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def compare(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero):
         try:
-            embeddings = rotary(hidden, position_ids, *args)
-            at_zero = rotary(hidden, torch.zeros_like(position_ids), *args)
-        except Exception as e:  # noqa: BLE001
-            results.append((UNDRIVEN, f"its forward: {e!r}"))
-            continue
-        for attention_cls in attentions:
-            if "Attention" not in attention_cls.__name__ and any(
-                r[0] != UNDRIVEN for r in results
-            ):
-                break
-            try:
-                attention = _attention(attention_cls, configs, layer_idx)
-                if "position_embeddings" in inspect.signature(attention.forward).parameters:
-                    runs = [_identity(at_zero), embeddings]
-                elif _swap_rotary(attention, rotary_cls, rotary, True):
-                    runs = [True, False]
-                else:
-                    continue
-                captured = []
-                for run in runs:
-                    if isinstance(run, bool):
-                        _swap_rotary(attention, rotary_cls, rotary, run)
-                        run = None
-                    captured.append(_run(attention, module, config, hidden, run, extra))
-            except Exception as e:  # noqa: BLE001 - an attention class of another part
-                results.append((UNDRIVEN, f"{attention_cls.__name__}: {e!r}"))
-                continue
-            (q0, k0), (q1, k1) = captured
-            if torch.equal(q0, q1) and torch.equal(k0, k1):
-                continue  # a layer that ignores the rotary embedding (NoPE)
-            kw = {"layer_type": layer_type} if nested else {}
-            try:
-                rope = ar.RoPE.from_hf_config(config, **kw)
-            except ar.RopeError as e:
-                results.append((REFUSED, str(e)))
-                continue
-            q0, k0, q1, k1 = (t.numpy() for t in (q0, k0, q1, k1))
-            where = f"{attention_cls.__name__}[{layer_type}]"
-            try:
-                for deinterleaved in (False, True) if rope.style == "interleaved" else (False,):
-                    got_q = _rotate(rope, q0, positions, head_axis, deinterleaved)
-                    got_k = _rotate(rope, k0, positions, head_axis, deinterleaved)
-                    ok_q, err_q = _close(got_q, q1, q0, positions)
-                    ok_k, err_k = _close(got_k, k1, k0, positions)
-                    if ok_q and ok_k:
-                        break
-            except ar.RopeError as e:
-                results.append((WRONG, f"{where}: arrayrope refused the family's arrays: {e}"))
-                continue
-            if ok_q and ok_k:
-                note = ", written de-interleaved" if deinterleaved else ""
-                results.append((MATCH, f"{where}: {rope!r}{note}"))
+            attention = _attention(attention_cls, configs, layer_idx)
+            if "position_embeddings" in inspect.signature(attention.forward).parameters:
+                runs = [_identity(at_zero), embeddings]
+            elif _swap_rotary(attention, rotary_cls, rotary, True):
+                runs = [True, False]
             else:
-                results.append((WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"))
-    if not results:
-        return outcome(UNDRIVEN, "no attention class of its module runs it", model_type)
-    status = min((r[0] for r in results), key=_RANK.get)
-    return outcome(status, next(r[1] for r in results if r[0] == status), model_type)
+                return None
+            captured = []
+            for run in runs:
+                if isinstance(run, bool):
+                    _swap_rotary(attention, rotary_cls, rotary, run)
+                    run = None
+                captured.append(_run(attention, module, config, hidden, run, extra))
+        except Exception as e:  # noqa: BLE001 - an attention class of another part
+            return UNDRIVEN, f"{attention_cls.__name__}: {e!r}"
+        (q0, k0), (q1, k1) = captured
+        if torch.equal(q0, q1) and torch.equal(k0, k1):
+            return None  # a layer that ignores the rotary embedding (NoPE)
+        kw = {"layer_type": layer_type} if nested else {}
+        try:
+            rope = ar.RoPE.from_hf_config(config, **kw)
+        except ar.RopeError as e:
+            return REFUSED, str(e)
+        q0, k0, q1, k1 = (t.numpy() for t in (q0, k0, q1, k1))
+        where = f"{attention_cls.__name__}[{layer_type}]"
+        pos, axis = positions, head_axis
+        if axial:  # the patches run along one axis of the family's q: positions follow it
+            found = [i for i, n in enumerate(q0.shape[:-1]) if n == B * T]
+            if not found:
+                return UNDRIVEN, f"{where}: no axis of q {q0.shape} holds the patches"
+            shape = [1] * (q0.ndim - 1) + [positions.shape[-1]]
+            shape[found[-1]] = B * T
+            pos = positions.reshape(shape)
+        try:
+            for deinterleaved in (False, True) if rope.style == "interleaved" else (False,):
+                ok_q, err_q = _close(_rotate(rope, q0, pos, axis, deinterleaved), q1, q0, pos)
+                ok_k, err_k = _close(_rotate(rope, k0, pos, axis, deinterleaved), k1, k0, pos)
+                if ok_q and ok_k:
+                    break
+        except ar.RopeError as e:
+            return WRONG, f"{where}: arrayrope refused the family's arrays: {e}"
+        if ok_q and ok_k:
+            note = ", written de-interleaved" if deinterleaved else ""
+            return MATCH, f"{where}: {rope!r}{note}"
+        return WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"
+
+    # a vision tower's attention takes its patches with or without a batch axis
+    shapes = [(B * T, hidden_size), (1, B * T, hidden_size)] if axial else [(B, T, hidden_size)]
+    best = None
+    for shape in shapes:
+        hidden = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        results = attempt(hidden)
+        if not results:
+            results = [(UNDRIVEN, "no attention class of its module runs it")]
+        status = min((r[0] for r in results), key=_RANK.get)
+        found = (status, next(r[1] for r in results if r[0] == status))
+        if best is None or _BEST[found[0]] < _BEST[best[0]]:
+            best = found
+        if best[0] == MATCH:
+            break
+    return outcome(best[0], best[1], model_type)
 
 
 def main():
