@@ -166,8 +166,14 @@ def _attention(cls, configs, layer_idx):
 
 @contextlib.contextmanager
 def _recording(module, config):
+    """The module's attention function, and torch's scaled_dot_product_attention for classes
+    that call it themselves, replaced by _capture."""
+    import torch
+
     old = getattr(module, "eager_attention_forward", None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     module.eager_attention_forward = _capture
+    torch.nn.functional.scaled_dot_product_attention = lambda q, k, *a, **kw: _capture(None, q, k)
     try:
         config._attn_implementation = "eager"
     except Exception:  # noqa: BLE001 - a config that fixes its implementation
@@ -175,6 +181,7 @@ def _recording(module, config):
     try:
         yield
     finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         if old is not None:
             module.eager_attention_forward = old
 
@@ -286,8 +293,9 @@ def _swap_rotary(attention, rotary_cls, rotary, identity):
 
 
 def _attention_classes(module, module_name, rotary_cls):
-    """Classes of the module that apply a rotary embedding: attention classes and layers that
-    take its output, or hold the rotary module and take positions."""
+    """Classes of the module that may apply a rotary embedding: attention classes and layers
+    (those that neither take its output nor hold the rotary module are passed over when
+    built)."""
     import torch
 
     found = []
@@ -300,15 +308,20 @@ def _attention_classes(module, module_name, rotary_cls):
             and re.search("Attention|Layer|Block", cls.__name__)
         ):
             continue
-        params = inspect.signature(cls.forward).parameters
-        if "position_embeddings" in params or "position_ids" in params:
-            found.append(cls)
+        found.append(cls)
     # attention classes first: a layer holds one, and more besides
     return sorted(found, key=lambda c: "Attention" not in c.__name__)
 
 
-def drive(module_name, rotary_name, seed=0):
-    """The Outcome of one rotary class."""
+# The scaling variant each family is also driven with: YaRN at a quarter of the family's length.
+def _yarn(parameters, max_positions):
+    return {**parameters, "rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": max(16, max_positions // 4)}  # fmt: skip
+
+
+def drive(module_name, rotary_name, seed=0, variant=None):
+    """The Outcome of one rotary class, with the config class's defaults or, with
+    ``variant="yarn"``, their rope parameters turned into YaRN's."""
     import torch
 
     module = importlib.import_module(module_name)
@@ -326,6 +339,13 @@ def drive(module_name, rotary_name, seed=0):
     except Exception as error:  # noqa: BLE001
         return outcome(UNDRIVEN, f"its config class has no defaults: {error!r}")
     config, rotary, error = None, None, None
+    if variant == "yarn":
+        for candidate in _sub_configs(top):
+            parameters = getattr(candidate, "rope_parameters", None)
+            keys = getattr(candidate, "nested_rope_parameter_keys", lambda p: [])(parameters or {})
+            if isinstance(parameters, dict) and parameters.get("rope_type") == "default" and not keys:
+                length = getattr(candidate, "max_position_embeddings", None) or 4096
+                candidate.rope_parameters = _yarn(parameters, length)
     for candidate in _sub_configs(top):
         try:
             rotary = rotary_cls(candidate)
@@ -336,6 +356,10 @@ def drive(module_name, rotary_name, seed=0):
     if config is None:
         return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
     model_type = getattr(config, "model_type", None)
+    if variant == "yarn" and (getattr(config, "rope_parameters", None) or {}).get(
+        "rope_type"
+    ) != "yarn":
+        return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
     for c in _sub_configs(top):
         _repaired(c)
 
@@ -443,16 +467,26 @@ def drive(module_name, rotary_name, seed=0):
             shape = [1] * (q0.ndim - 1) + [positions.shape[-1]]
             shape[found[-1]] = B * T
             pos = positions.reshape(shape)
+        # a family may write its interleaved pairs de-interleaved, and one that normalizes q
+        # and k after the rotation divides the attention scaling out again
+        scales = {1.0, rope.attention_scaling}
         try:
             for deinterleaved in (False, True) if rope.style == "interleaved" else (False,):
-                ok_q, err_q = _close(_rotate(rope, q0, pos, axis, deinterleaved), q1, q0, pos)
-                ok_k, err_k = _close(_rotate(rope, k0, pos, axis, deinterleaved), k1, k0, pos)
+                for scale in scales:
+                    got_q = _rotate(rope, q0, pos, axis, deinterleaved) / scale
+                    got_k = _rotate(rope, k0, pos, axis, deinterleaved) / scale
+                    ok_q, err_q = _close(got_q, q1, q0, pos)
+                    ok_k, err_k = _close(got_k, k1, k0, pos)
+                    if ok_q and ok_k:
+                        break
                 if ok_q and ok_k:
                     break
         except ar.RopeError as e:
             return WRONG, f"{where}: arrayrope refused the family's arrays: {e}"
         if ok_q and ok_k:
             note = ", written de-interleaved" if deinterleaved else ""
+            if scale != 1.0:
+                note += ", attention scaling normalized away after the rotation"
             return MATCH, f"{where}: {rope!r}{note}"
         return WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"
 
@@ -480,9 +514,11 @@ def main():
     transformers.logging.set_verbosity_error()
     counts = {}
     for family, module_name, rotary_name in components():
-        result = drive(module_name, rotary_name)
-        counts[result.status] = counts.get(result.status, 0) + 1
-        print(f"{result.status:9} {family:24} {result.rotary:40} {result.detail}", flush=True)
+        for variant in (None, "yarn"):
+            result = drive(module_name, rotary_name, variant=variant)
+            counts[result.status, variant] = counts.get((result.status, variant), 0) + 1
+            print(f"{result.status:9} {family:24} {result.rotary:40} {variant or '':5} "
+                  f"{result.detail}", flush=True)  # fmt: skip
     print(counts, file=sys.stderr)
 
 

@@ -1,0 +1,85 @@
+"""RoPE.from_hf_config against every rotary family of the installed transformers.
+
+The families are found in transformers' own modeling modules and driven through their own
+attention code (see hf_families.py): with the config class's defaults, and again with their
+rope parameters turned into YaRN's. No family may come out wrong or refused. A rotary module
+this driver cannot run is named below with the reason; any other that it cannot run fails, so a
+family added by a later transformers is looked at the day it is installed.
+"""
+
+import warnings
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+import hf_families  # noqa: E402
+
+# Rotary modules of transformers 5.24 that the driver cannot run, and why. They are not
+# arrayrope's refusals: from_hf_config is never reached for them.
+NOT_DRIVEN = {
+    # rotary modules that make their positions from a feature grid or their own lengths: there
+    # are no position ids to hand them
+    "ClvpRotaryPositionalEmbedding": "its rotary module takes no config and no positions",
+    "EfficientLoFTRRotaryEmbedding": "its rotary module makes positions from a feature grid",
+    "EomtDinov3RotaryEmbedding": "its rotary module makes positions from the pixel grid",
+    "Llama4VisionRotaryEmbedding": "its rotary module makes positions from the patch grid",
+    "Sam2VideoVisionRotaryEmbedding": "its rotary module makes positions from a feature grid",
+    "Sam3TrackerVideoVisionRotaryEmbedding": "its rotary module makes positions from a grid",
+    "EdgeTamVideoVisionRotaryEmbedding": "its rotary module makes positions from a grid",
+    "Sam3ViTRotaryEmbedding": "its rotary module makes positions from the patch grid",
+    "EsmFold2RotaryEmbedding": "a rotary module over atom coordinates, not positions",
+    "MusicFlamingoRotaryEmbedding": "its rotary module takes timestamps and a length",
+    # the family's own module fails on its config class's defaults
+    "CohereCompassRotaryEmbedding": "its module fails on its config class's defaults",
+    "Glm4vTextRotaryEmbedding": "its mrope_section default does not fit its default head",
+    "Glm4vMoeTextRotaryEmbedding": "its mrope_section default does not fit its default head",
+    "GlmImageTextRotaryEmbedding": "its mrope_section default does not fit its default head",
+    "HunYuanVLRotaryEmbedding": "its config class gives no mrope_section, which it needs",
+    "Qwen4ExpTextRotaryEmbedding": "its config class gives no head counts by default",
+    "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
+    # attention classes this driver cannot build or call alone
+    "FalconRotaryEmbedding": "its attention computes scores itself, past the recorder",
+    "GPTNeoXJapaneseRotaryEmbedding": "its attention computes scores itself",
+    "JetMoeRotaryEmbedding": "its attention holds expert weights too large to build here",
+    "LongcatFlashRotaryEmbedding": "its layer holds expert weights too large to build here",
+    "DbrxRotaryEmbedding": "its attention takes the model config and a sub-config together",
+    "EsmRotaryEmbedding": "its attention takes its rotary module's input from elsewhere",
+    "MoonshineStreamingRotaryEmbedding": "its attention takes head counts as arguments",
+    "MuseGlimmerAssistantRotaryEmbedding": "its attention needs another model's states",
+    "Zamba2RotaryEmbedding": "its attention layer needs the original hidden states",
+    "NeuCodecRotaryEmbedding": "its attention takes positions in another layout",
+    "Xcodec2RotaryEmbedding": "its attention takes positions in another layout",
+    "Qwen2_5OmniDiTRotaryEmbedding": "a diffusion block with its own attention API",
+    "Qwen3OmniMoeRotaryEmbedding": "its attention classes take other parts' configs",
+    "Qwen3OmniMoeThinkerTextRotaryEmbedding": "its attention classes take other configs",
+    "Qwen3OmniMoeTalkerRotaryEmbedding": "its attention classes take other parts' configs",
+    "Gemma4VisionRotaryEmbedding": "its attention classes take other parts' configs",
+}
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    transformers.logging.set_verbosity_error()
+    COMPONENTS = hf_families.components()
+
+
+@pytest.mark.parametrize(
+    "family, module_name, rotary_name", COMPONENTS, ids=[c[2] for c in COMPONENTS]
+)
+def test_family(family, module_name, rotary_name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcome = hf_families.drive(module_name, rotary_name)
+        scaled = hf_families.drive(module_name, rotary_name, variant="yarn")
+    for result in (outcome, scaled):
+        assert result.status not in (hf_families.WRONG, hf_families.REFUSED), result.detail
+    if outcome.status == hf_families.UNDRIVEN:
+        assert rotary_name in NOT_DRIVEN, f"not driven, and not known why: {outcome.detail}"
+
+
+def test_discovery_finds_the_families():
+    # transformers 5.24 has 228 rotary modules in 200 modeling packages; a discovery that
+    # misses most of them (a renamed folder, a moved module) must not pass quietly
+    assert len(COMPONENTS) >= 200
+    assert len({c[0] for c in COMPONENTS}) >= 180
