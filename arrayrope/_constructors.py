@@ -121,19 +121,6 @@ def sectioned(
     return rope
 
 
-def general(cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis,
-            pick=None):
-    """A RoPE of any frequency blocks and pair layout (see RoPE._setup), checked as the public
-    constructors check theirs: what a Hugging Face config can describe."""
-    head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
-    rope = cls.__new__(cls)
-    rope._setup(
-        head_dim, rotary_dim, style_arg(style), base_arg(base), max_positions, scaling,
-        blocks, pair_axis, pick,
-    )  # fmt: skip
-    return rope
-
-
 def from_hf_config(
     cls: type[RoPE],
     config: Any,

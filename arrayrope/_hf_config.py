@@ -1,91 +1,19 @@
 """RoPE.from_hf_config: the RoPE a Hugging Face config describes, as transformers rotates it.
 
-A config names the frequencies (rope_theta, the rope type and its fields, the partial rotary
-factor, the head size); the pair layout and the multi-axis layout live in each family's modeling
-code, so the tables below hold them for the families whose code departs from transformers'
-convention (rotate_half pairs, one position axis). tests/test_hf_families.py drives every rotary
-family of the installed transformers through its own modules and checks these tables.
+A config names the frequencies: rope_theta, the rope type and its fields, the rotated fraction
+and the head size, read here; the pair and axis layouts live in each family's modeling code
+(_hf_layouts). tests/test_hf_families.py drives every rotary family of the installed
+transformers through its own modules against what this builds.
 """
 
 import json
 import math
 import os
 
-import numpy as np
-
+from . import _hf_layouts as layouts
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import base_arg, dims_arg, style_arg
 
-# Families whose modeling code rotates adjacent pairs (x[2i], x[2i+1]): GPT-J's
-# rotate_every_two, rotate_half over [..., ::2] with repeat-interleaved cos/sin (Cohere, GLM,
-# ERNIE), complex multiplication (DeepSeek-V2, Llama 4). Configs with a rope_interleave field
-# (DeepSeek-V3 and its MLA kin) say it themselves.
-INTERLEAVED_FAMILIES = frozenset(
-    {
-        "gptj",
-        "codegen",
-        "cohere",
-        "cohere2",
-        "deepseek_v2",
-        "blt_patcher",
-        "cohere2_moe",
-        "ernie4_5",
-        "ernie4_5_moe",
-        "glm",
-        "glm4",
-        "glm4v_text",
-        "glm4v_moe_text",
-        "glm_ocr_text",
-        "helium",
-        "llama4_text",
-        "moonshine",
-        "moonshine_streaming",
-        "ernie4_5_vl_moe_text",
-        "inkling2_vision",
-        "hy_v4_vl_text",
-        "openai_privacy_filter",
-        "pe_audio_encoder",
-        "pe_audio_video_encoder",
-        "pe_video_encoder",
-    }
-)
-# Families whose code reads the rotated features from a rotary_dim field (other families'
-# configs may carry one that their code ignores).
-ABSOLUTE_ROTARY_DIM_FAMILIES = frozenset({"gptj", "codegen"})
-# Families that rotate by minus the angle (rotate_half with its signs flipped).
-CLOCKWISE_FAMILIES = frozenset({"nanochat"})
-# Multi-axis (M-RoPE) text models: the sections their modeling code uses when the config
-# gives none, and how it hands pairs to axes (see _spec.sectioned_pairs).
-MROPE_FAMILIES = {
-    "qwen2_vl_text": ((16, 24, 24), "contiguous"),
-    "qwen2_5_vl_text": ((16, 24, 24), "contiguous"),
-    "qwen2_5_omni_text": ((16, 24, 24), "contiguous"),
-    "qwen2_5_omni_thinker": ((16, 24, 24), "contiguous"),
-    "paddleocr_vl_text": ((16, 24, 24), "contiguous"),
-    "qwen3_vl_text": ((24, 20, 20), "interleaved"),
-    "qwen3_vl_moe_text": ((24, 20, 20), "interleaved"),
-    "cosmos3_edge_text": ((24, 20, 20), "interleaved"),
-    "qwen3_5_text": ((11, 11, 10), "interleaved"),
-    "qwen3_5_moe_text": ((11, 11, 10), "interleaved"),
-    "qwen4_exp_text": ((11, 11, 10), "interleaved"),
-    "glm4v_text": ((8, 12, 12), "contiguous"),
-    "glm4v_moe_text": ((8, 12, 12), "contiguous"),
-    "glm_ocr_text": ((8, 12, 12), "contiguous"),
-    "glm_image_text": ((8, 12, 12), "contiguous"),
-    "ernie4_5_vl_moe_text": ((22, 22, 20), "height-width alternating"),
-    "hy_v4_vl_text": ((24, 20, 20), "interleaved"),
-}
-# Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
-# each axis a run of pairs on its own frequencies over half the head): the position axis each
-# run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
-# frequencies), "alternating" (the axes take turns pair by pair), or "split" (one set over the
-# whole head, its even frequencies to the first run and its odd ones to the second: Pixtral).
-AXIAL_LAYOUTS = {
-    "inkling2_vision": ((1, 0), "runs"),
-    "kimi_k25_vision": ((1, 0), "alternating"),
-    "step3p5_vision": ((1, 0), "runs"),
-    "minimax_m3_vl_vision": ((0, 1, 2), "runs"),
-    "pixtral": ((0, 1), "split"),
-}
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
     {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox"}
@@ -216,9 +144,7 @@ def _part(cfg, part):
     if sub is None:
         if part is None:
             return cfg  # no RoPE fields at all: the family's defaults, or an error below
-        raise RopeValueError(
-            f"config of model_type {cfg.get('model_type')!r} has no {part}_config"
-        )
+        raise RopeValueError(f"config of model_type {cfg.get('model_type')!r} has no {part}_config")
     sub = _fields(sub)
     sub.setdefault("model_type", f"{cfg.get('model_type')}_{part or 'text'}")
     return sub
@@ -289,7 +215,7 @@ def _layer_overrides(cfg, layer_type):
     return found or {}
 
 
-def _kind(params):
+def _kind(params, model_type):
     kind, old_kind = params.get("rope_type"), params.get("type")
     if kind and old_kind and _ALIASES.get(kind, kind) != _ALIASES.get(old_kind, old_kind):
         raise RopeValueError(f"rope_type {kind!r} and type {old_kind!r} disagree")
@@ -298,6 +224,12 @@ def _kind(params):
     if kind not in _KEYS:
         raise RopeValueError(f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}")
     unknown = set(params) - _COMMON_KEYS - _IGNORED_KEYS - _KEYS[kind]
+    if {"short_mscale", "long_mscale"} & unknown:
+        raise RopeValueError(
+            f"model_type {model_type!r} gives short_mscale and long_mscale: its code scales "
+            "cos and sin by one or the other with the sequence length while keeping the short "
+            "frequencies, which no arrayrope scaling rule does"
+        )
     if unknown:
         raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
     return kind
@@ -355,15 +287,6 @@ def _partial(cfg, params):
     return None if partial is None else float(partial)
 
 
-def _style(cfg, style):
-    if style is not None:
-        return style
-    interleave = cfg.get("rope_interleave")
-    if interleave is not None:
-        return "interleaved" if interleave else "half"
-    return "interleaved" if cfg.get("model_type") in INTERLEAVED_FAMILIES else "half"
-
-
 def _rule(kind, params, cfg):
     from . import scaling as sc
 
@@ -416,20 +339,23 @@ def _rule(kind, params, cfg):
 
 def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
     from . import scaling as sc
-    from ._constructors import general
-    from ._spec import sectioned_pairs
 
     cfg = _part(_fields(config), part)
     cfg, params = _layer(cfg, layer_type)
     model_type = cfg.get("model_type")
-    kind = _kind(params)
+    kind = _kind(params, model_type)
     theta = _theta(cfg, params)
     partial = _partial(cfg, params)
-    style = _style(cfg, style)
-    sign = -1 if model_type in CLOCKWISE_FAMILIES else 1
+    style = layouts.style(model_type, cfg.get("rope_interleave"), style)
+    sign = layouts.sign(model_type)
 
-    if kind == "axial":
-        return _axial(cls, cfg, style, theta, max_positions, sign)
+    if kind == "axial":  # a vision tower: its head size may be over embed_dim
+        head_dim = _head_dim({**cfg, "hidden_size": cfg.get("embed_dim") or cfg["hidden_size"]})
+        rotary_dim, blocks, pair_axis, order = layouts.axial(model_type, head_dim, theta)
+        return _build(
+            cls, head_dim, rotary_dim, style, theta, max_positions, None,
+            blocks=blocks, pair_axis=pair_axis, pick=layouts.pick(sign, order, len(pair_axis)),
+        )  # fmt: skip
     if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
         head_dim = int(cfg["qk_rope_head_dim"])
         rotated = head_dim
@@ -447,7 +373,7 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
         # ``rotated`` itself, odd or not
         rotated = head_dim if partial is None else int(head_dim * partial)
     absolute = cfg.get("rotary_dim")
-    if absolute is not None and model_type in ABSOLUTE_ROTARY_DIM_FAMILIES:
+    if absolute is not None and model_type in layouts.ABSOLUTE_ROTARY_DIM_FAMILIES:
         if partial is not None and absolute != rotated:
             raise RopeValueError(
                 f"config has rotary_dim={absolute} and a partial rotary factor {partial} of "
@@ -458,77 +384,31 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
         raise RopeValueError(f"config rotates no features (head_dim {head_dim}, {partial=})")
     rotary_dim = rotated + rotated % 2
 
-    if kind == "proportional":
-        rule = sc.Proportional(
-            1.0 if partial is None else partial, params.get("factor", 1.0)
-        )  # fmt: skip
+    if kind == "proportional":  # pairs across the whole head, the unrotated ones at zero
+        rule = sc.Proportional(1.0 if partial is None else partial, params.get("factor", 1.0))
         rotary_dim, rotated = head_dim, head_dim
     else:
         rule = _rule(kind, params, cfg)
-
-    sections = params.get("mrope_section")
-    assign = "interleaved" if params.get("mrope_interleaved") else None
-    if model_type in MROPE_FAMILIES:
-        default_sections, default_assign = MROPE_FAMILIES[model_type]
-        sections = default_sections if sections is None else sections
-        assign = assign or default_assign
-    if sections is None:
-        pair_axis = np.zeros(rotary_dim // 2, np.int64)
-    elif assign == "height-width alternating":
-        pair_axis = _alternating_sections(tuple(sections), rotary_dim // 2)
-    else:
-        pair_axis = sectioned_pairs(tuple(sections), assign or "contiguous", rotary_dim)
-    return general(
+    pair_axis = layouts.sections(model_type, params, rotary_dim)
+    return _build(
         cls, head_dim, rotary_dim, style, theta, max_positions, rule,
-        blocks=[(rotated, theta)], pair_axis=pair_axis, pick=_pick(sign, None, rotary_dim // 2),
+        blocks=[(rotated, theta)], pair_axis=pair_axis,
+        pick=layouts.pick(sign, None, rotary_dim // 2),
     )  # fmt: skip
 
 
-def _pick(sign, order, pairs):
-    if sign == 1 and order is None:
-        return None
-    return sign, tuple(range(pairs) if order is None else (int(j) for j in order))
-
-
-def _alternating_sections(sections, pairs):
-    """ERNIE-4.5-VL's M-RoPE: the pairs of the first two sections alternate between height and
-    width, pair by pair, and the third section's pairs take time."""
-    height, width, time = sections
-    if height != width or sum(sections) != pairs:
-        raise RopeValueError(
-            f"mrope_section {list(sections)} must have equal height and width sections summing "
-            f"with time to the {pairs} rotated pairs"
-        )
-    return np.r_[np.tile([1, 2], height), np.zeros(time, np.int64)].astype(np.int64)
-
-
-def _axial(cls, cfg, style, theta, max_positions, sign):
-    """A vision tower's RoPE (rope_type "axial"): positions (..., n_axes) in the order of the
-    family's position ids, as AXIAL_LAYOUTS describes the family's pairs."""
-    from ._constructors import general
-
-    axes, frequencies = AXIAL_LAYOUTS.get(cfg.get("model_type"), ((0, 1), "runs"))
-    n = len(axes)
-    head_dim = _head_dim(
-        {**cfg, "hidden_size": cfg.get("embed_dim") or cfg.get("hidden_size")}
+def _build(
+    cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, pick=None
+):
+    """A RoPE of any frequency blocks and pair layout (see RoPE._setup), checked as the public
+    constructors check theirs."""
+    head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
+    rope = cls.__new__(cls)
+    rope._setup(
+        head_dim, rotary_dim, style_arg(style), base_arg(base), max_positions, scaling,
+        blocks, pair_axis, pick,
     )  # fmt: skip
-    # the features of one axis, as the families' code computes them
-    spatial = head_dim // 2 if n == 2 else 2 * ((head_dim // n) // 2)
-    per_axis = (spatial + 1) // 2
-    if per_axis < 1:
-        raise RopeValueError(f"head_dim {head_dim} is too small for {n} axes")
-    pair_axis = np.repeat(np.array(axes, np.int64), per_axis)
-    blocks, order = [(spatial, theta)] * n, None
-    if frequencies == "alternating":
-        order = [k * per_axis + i for i in range(per_axis) for k in range(n)]
-        pair_axis = np.tile(np.array(axes, np.int64), per_axis)
-    elif frequencies == "split":
-        blocks = [(head_dim, theta)]
-        order = list(range(0, 2 * per_axis, 2)) + list(range(1, 2 * per_axis, 2))
-    return general(
-        cls, head_dim, 2 * n * per_axis, style, theta, max_positions, None,
-        blocks=blocks, pair_axis=pair_axis, pick=_pick(sign, order, n * per_axis),
-    )  # fmt: skip
+    return rope
 
 
 def hf_layer_ropes(cls, config, style, max_positions, part):

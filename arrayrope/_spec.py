@@ -55,6 +55,48 @@ def style_arg(style):
     return style
 
 
+# Checks of a scaling rule's fields (arrayrope.scaling): each takes the field's name and value.
+
+
+def real(name, value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise RopeTypeError(f"{name} must be a real number, got {value!r}") from None
+
+
+def positive(name, value):
+    number = real(name, value)
+    if not (math.isfinite(number) and number > 0):
+        raise RopeValueError(f"{name} must be finite and > 0, got {value!r}")
+    return number
+
+
+def nonnegative(name, value):
+    number = real(name, value)
+    if not (math.isfinite(number) and number >= 0):
+        raise RopeValueError(f"{name} must be finite and >= 0, got {value!r}")
+    return number
+
+
+def length(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise RopeTypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise RopeValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def optional(check):
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def coerce(rule, **checks):
+    """Check and normalize fields of a frozen rule in __post_init__: name=checker(name, value)."""
+    for name, check in checks.items():
+        object.__setattr__(rule, name, check(name, getattr(rule, name)))
+
+
 def axes_arg(name, values):
     try:
         values = tuple(operator.index(v) for v in values)

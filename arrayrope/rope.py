@@ -108,8 +108,9 @@ class RoPE:
         )
 
     def _setup(
-        self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, pick=None
-    ):
+        self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis,
+        pick=None,
+    ):  # fmt: skip
         """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
         that are concatenated into inv_freq (ceil(features / 2) pairs each, at exponents over
         ``features``); ``pair_axis`` gives each pair's position axis; ``pick`` = (sign, order),

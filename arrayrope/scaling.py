@@ -23,49 +23,15 @@ import numpy as np
 
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import coerce as _coerce
+from ._spec import length as _length
+from ._spec import nonnegative as _nonnegative
+from ._spec import optional as _optional
+from ._spec import positive as _positive
 
 __all__ = [
     "DynamicNTK", "Linear", "Llama3", "LongRoPE", "NTK", "Proportional", "ScalingRule", "YaRN"
 ]  # fmt: skip
-
-
-def _real(name, value):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise RopeTypeError(f"{name} must be a real number, got {value!r}") from None
-
-
-def _positive(name, value):
-    number = _real(name, value)
-    if not (math.isfinite(number) and number > 0):
-        raise RopeValueError(f"{name} must be finite and > 0, got {value!r}")
-    return number
-
-
-def _nonnegative(name, value):
-    number = _real(name, value)
-    if not (math.isfinite(number) and number >= 0):
-        raise RopeValueError(f"{name} must be finite and >= 0, got {value!r}")
-    return number
-
-
-def _length(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise RopeTypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise RopeValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
-def _optional(check):
-    return lambda name, value: None if value is None else check(name, value)
-
-
-def _coerce(rule, **checks):
-    """Check and normalize fields of a frozen rule in __post_init__: name=checker(name, value)."""
-    for name, check in checks.items():
-        object.__setattr__(rule, name, check(name, getattr(rule, name)))
 
 
 def plain_inv_freq(dim, base):

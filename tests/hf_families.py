@@ -233,8 +233,12 @@ class _Switch:
             def forward(self, *args, **kwargs):
                 out = self.rotary(*args, **kwargs)
                 if self.identity:
-                    zero = [torch.zeros_like(a) if isinstance(a, torch.Tensor) and not
-                            a.is_floating_point() else a for a in args]
+                    zero = [
+                        torch.zeros_like(a)
+                        if isinstance(a, torch.Tensor) and not a.is_floating_point()
+                        else a
+                        for a in args
+                    ]
                     return _identity(self.rotary(*zero, **kwargs))
                 return out
 
@@ -284,7 +288,7 @@ def _swap_rotary(attention, rotary_cls, rotary, identity):
     """Put the family's rotary module, switched, wherever the attention holds one; False where
     it holds none."""
     found = False
-    for name, child in list(attention.named_modules()):
+    for child in list(attention.modules()):
         for child_name, grandchild in list(child.named_children()):
             if isinstance(grandchild, rotary_cls) or type(grandchild).__name__ == "Switch":
                 setattr(child, child_name, _Switch(rotary, identity))
@@ -343,7 +347,8 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)
             keys = getattr(candidate, "nested_rope_parameter_keys", lambda p: [])(parameters or {})
-            if isinstance(parameters, dict) and parameters.get("rope_type") == "default" and not keys:
+            flat = isinstance(parameters, dict) and not keys
+            if flat and parameters.get("rope_type") == "default":
                 length = getattr(candidate, "max_position_embeddings", None) or 4096
                 candidate.rope_parameters = _yarn(parameters, length)
     for candidate in _sub_configs(top):
@@ -356,9 +361,10 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     if config is None:
         return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
     model_type = getattr(config, "model_type", None)
-    if variant == "yarn" and (getattr(config, "rope_parameters", None) or {}).get(
-        "rope_type"
-    ) != "yarn":
+    if (
+        variant == "yarn"
+        and (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "yarn"
+    ):
         return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
     for c in _sub_configs(top):
         _repaired(c)
