@@ -18,11 +18,11 @@ from ._spec import base_arg, dims_arg, style_arg
 THETA_10000_FAMILIES = frozenset(
     {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox"}
 )
-# Older names of the fields read here (GPT-2 lineage: GPT-J, CodeGen), as transformers' config
-# classes map them (attribute_map).
+# Other names of the fields read here (the GPT-2 lineage: GPT-J, CodeGen; vision towers'
+# num_heads), as transformers' config classes map them (attribute_map).
 _FIELD_ALIASES = {
     "hidden_size": ("n_embd", "d_model"),
-    "num_attention_heads": ("n_head",),
+    "num_attention_heads": ("n_head", "num_heads"),
     "max_position_embeddings": ("n_positions",),
 }
 # Every field this module reads from a config: read from an object by attribute, so that its
@@ -380,15 +380,14 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
                 f"head_dim {head_dim} ({rotated} features), which disagree"
             )
         rotated = int(absolute)
-    if rotated < 1:
-        raise RopeValueError(f"config rotates no features (head_dim {head_dim}, {partial=})")
-    rotary_dim = rotated + rotated % 2
-
     if kind == "proportional":  # pairs across the whole head, the unrotated ones at zero
         rule = sc.Proportional(1.0 if partial is None else partial, params.get("factor", 1.0))
         rotary_dim, rotated = head_dim, head_dim
+    elif rotated < 1:
+        raise RopeValueError(f"config rotates no features (head_dim {head_dim}, {partial=})")
     else:
         rule = _rule(kind, params, cfg)
+        rotary_dim = rotated + rotated % 2
     pair_axis = layouts.sections(model_type, params, rotary_dim)
     return _build(
         cls, head_dim, rotary_dim, style, theta, max_positions, rule,

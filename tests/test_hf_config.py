@@ -1,0 +1,176 @@
+"""RoPE.from_hf_config on config dicts, against float64 oracles of transformers' formulas.
+
+These run without transformers (tests/test_hf_families.py checks every installed family through
+its own code): the frequencies base ** (-2 i / dim) over the rotated width dim as transformers
+computes it (odd widths included), the pair styles, the families' layouts, layer types,
+composite configs, and RoPEs whose pairs take reordered or negated frequencies.
+"""
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracles import oracle
+
+import arrayrope as ar
+
+TOL = 1e-12  # float64 rows against the float64 oracle, relative to the row's largest |x|
+
+
+def _close(got, want, x):
+    assert np.abs(got - want).max() <= TOL * max(1.0, np.abs(x).max())
+
+
+def _hf_oracle(x, pos, head_dim, dim, base, style, factor=1.0, rotated_pairs=None, sign=1):
+    """transformers' rotation: ceil(dim / 2) pairs at base ** (-2 i / dim), paired over
+    2 * ceil(dim / 2) features by ``style``; pairs past ``rotated_pairs`` turn at 0."""
+    freqs = sign * base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim) / factor
+    if rotated_pairs is not None:
+        freqs[rotated_pairs:] = 0.0
+    return oracle(x, pos, style=style, rotary_dim=2 * len(freqs), freqs=freqs)
+
+
+@given(
+    head_dim=st.integers(2, 80).map(lambda n: 2 * n),
+    fraction=st.one_of(st.none(), st.floats(0.05, 1.0)),
+    base=st.floats(2.0, 1e7),
+    family=st.sampled_from(["llama", "cohere", "glm", "some_new_family", "nanochat"]),
+    interleave=st.sampled_from([None, True, False]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_families_rotate_as_transformers_computes(
+    head_dim, fraction, base, family, interleave, seed
+):
+    config = {"model_type": family, "head_dim": head_dim, "rope_theta": base}
+    if fraction is not None:
+        config["partial_rotary_factor"] = fraction
+    if interleave is not None:
+        config["rope_interleave"] = interleave
+    dim = head_dim if fraction is None else int(head_dim * fraction)
+    if dim < 1:
+        with pytest.raises(ar.RopeValueError, match="rotates no features"):
+            ar.RoPE.from_hf_config(config)
+        return
+    rope = ar.RoPE.from_hf_config(config)
+    half = family in ("llama", "some_new_family", "nanochat")
+    style = "half" if (half if interleave is None else not interleave) else "interleaved"
+    assert (rope.style, rope.rotary_dim) == (style, dim + dim % 2)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 7, head_dim))
+    pos = rng.integers(0, 2**31, size=7)
+    sign = -1 if family == "nanochat" else 1  # rotate_half with flipped signs
+    _close(rope.rotate(x, pos), _hf_oracle(x, pos, head_dim, dim, base, style, sign=sign), x)
+
+
+@given(
+    head_dim=st.integers(2, 64).map(lambda n: 4 * n),
+    fraction=st.floats(0.01, 1.0),
+    factor=st.floats(0.5, 8.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_proportional_rope_type(head_dim, fraction, factor, seed):
+    params = {"rope_type": "proportional", "partial_rotary_factor": fraction}
+    config = {"head_dim": head_dim, "rope_parameters": {**params, "rope_theta": 1e6}}
+    config["rope_parameters"]["factor"] = factor
+    rope = ar.RoPE.from_hf_config(config)
+    assert rope.rotary_dim == head_dim and rope.scaling == ar.scaling.Proportional(fraction, factor)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((5, head_dim))
+    pos = rng.integers(0, 10**6, size=5)
+    want = _hf_oracle(
+        x, pos, head_dim, head_dim, 1e6, "half", factor, int(fraction * head_dim // 2)
+    )
+    _close(rope.rotate(x, pos), want, x)
+
+
+def test_composite_configs_and_their_parts():
+    axial = {"rope_type": "axial", "rope_theta": 1e4}
+    vision = {"model_type": "qwen2_vl_vision", "embed_dim": 1280, "num_heads": 16,
+              "hidden_size": 3584, "rope_parameters": axial}  # fmt: skip
+    text = {"model_type": "qwen2_vl_text", "hidden_size": 1536, "num_attention_heads": 12,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
+    config = {"model_type": "qwen2_vl", "text_config": text, "vision_config": vision}
+    rope = ar.RoPE.from_hf_config(config)  # the text part, with the family's default sections
+    assert (rope.n_axes, rope.head_dim) == (3, 128)
+    assert np.array_equal(rope._spec.pair_axis, np.repeat([0, 1, 2], [16, 24, 24]))
+    tower = ar.RoPE.from_hf_config(config, part="vision")  # embed_dim / num_heads
+    assert (tower.n_axes, tower.head_dim, tower.style) == (2, 80, "half")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 16, 80))
+    pos = rng.integers(0, 64, size=(9, 1, 2))  # (row, column) of each patch
+    rows = oracle(x[..., [*range(20), *range(40, 60)]], pos[..., 0], style="half", base=1e4)
+    columns = oracle(x[..., [*range(20, 40), *range(60, 80)]], pos[..., 1], style="half", base=1e4)
+    want = np.concatenate(
+        [rows[..., :20], columns[..., :20], rows[..., 20:], columns[..., 20:]], -1
+    )
+    _close(tower.rotate(x, pos), want, x)
+
+
+def test_alternating_axes_and_a_pickled_copy():
+    # Kimi-K2.5's vision tower: its two axes take turns pair by pair, columns first
+    config = {"model_type": "kimi_k25_vision", "hidden_size": 96, "num_attention_heads": 4,
+              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}  # fmt: skip
+    rope = ar.RoPE.from_hf_config(config)
+    per_axis = np.float64(100.0) ** (-np.arange(0, 12, 2) / 12)
+    assert np.array_equal(rope.inv_freq, np.repeat(per_axis, 2))
+    assert np.array_equal(rope._spec.pair_axis, np.tile([1, 0], 6))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 24))
+    pos = rng.integers(0, 100, size=(4, 2))
+    copy = pickle.loads(pickle.dumps(rope))
+    assert np.array_equal(copy.inv_freq, rope.inv_freq)
+    assert np.array_equal(copy.rotate(x, pos), rope.rotate(x, pos))
+
+
+def test_layer_types_and_per_layer_head_sizes():
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = {
+        "model_type": "gemma4_text", "head_dim": 256, "hidden_size": 1536,
+        "num_attention_heads": 8, "layer_types": layer_types,
+        "per_layer_config": {"05": {"head_dim": 512}},
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+        },
+    }  # fmt: skip
+    ropes = ar.RoPE.from_hf_layers(config)
+    assert list(ropes) == ["sliding_attention", "full_attention"]
+    assert ropes["sliding_attention"].head_dim == 256 and ropes["sliding_attention"].base == 1e4
+    full = ar.RoPE.from_hf_config(config, layer_type="full_attention")
+    assert full.head_dim == 512 and full.scaling == ar.scaling.Proportional(0.25)
+    with pytest.raises(ar.RopeValueError, match="different head sizes"):
+        ar.RoPE.from_hf_config(
+            {**config, "layer_types": layer_types * 2}, layer_type="full_attention"
+        )
+
+
+def test_mrope_layouts_the_families_keep_in_their_code():
+    base = {"hidden_size": 1024, "num_attention_heads": 8, "rope_theta": 1e6}
+    ernie = ar.RoPE.from_hf_config({**base, "model_type": "ernie4_5_vl_moe_text"})
+    assert ernie.style == "interleaved"  # height and width alternate, then time
+    assert list(ernie._spec.pair_axis) == [1, 2] * 22 + [0] * 20
+    qwen3 = ar.RoPE.from_hf_config({**base, "model_type": "qwen3_vl_text"})
+    assert list(qwen3._spec.pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
+    given_sections = {"rope_theta": 1e6, "mrope_section": [32, 16, 16]}
+    own = ar.RoPE.from_hf_config({**base, "model_type": "x", "rope_parameters": given_sections})
+    assert list(own._spec.pair_axis) == [0] * 32 + [1] * 16 + [2] * 16
+
+
+def test_what_transformers_computes_and_arrayrope_follows():
+    # hidden_size // num_attention_heads is floored, as the family's projections are
+    assert ar.RoPE.from_hf_config({"hidden_size": 4096, "num_attention_heads": 96,
+                                   "rope_theta": 1e4}).head_dim == 42  # fmt: skip
+    # keys transformers writes beside the RoPE's own
+    params = {"rope_type": "default", "rope_theta": 1e6, "max_position_embeddings": 4096,
+              "llama_4_scaling_beta": 0.1}  # fmt: skip
+    assert ar.RoPE.from_hf_config({"head_dim": 128, "rope_parameters": params}).base == 1e6
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 64,
+                "long_factor": [2.0] * 64, "original_max_position_embeddings": 4096,
+                "short_mscale": 1.2, "long_mscale": 1.3}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="'phimoe' gives short_mscale and long_mscale"):
+        ar.RoPE.from_hf_config(
+            {"model_type": "phimoe", "head_dim": 128, "rope_parameters": longrope}
+        )
