@@ -284,6 +284,29 @@ def _repaired(config):
     return config
 
 
+def _fitted_sections(rotary_cls, rotary, config):
+    """The rotary module, rebuilt with the rotated fraction its M-RoPE sections need where its
+    config class's defaults rotate more pairs than the sections cover (GLM-4V's checkpoints
+    give partial_rotary_factor 0.5; its config class gives none)."""
+    import torch
+
+    sections = getattr(rotary, "mrope_section", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    parameters = getattr(config, "rope_parameters", None)
+    if not (sections and isinstance(inv_freq, torch.Tensor) and isinstance(parameters, dict)):
+        return rotary
+    pairs = sum(sections)
+    if inv_freq.numel() == pairs or "partial_rotary_factor" in parameters:
+        return rotary
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    config.rope_parameters = {**parameters, "partial_rotary_factor": 2 * pairs / head_dim}
+    try:
+        return rotary_cls(config)
+    except Exception:  # noqa: BLE001 - the family's own defaults stay undriven
+        config.rope_parameters = parameters
+        return rotary
+
+
 def _swap_rotary(attention, rotary_cls, rotary, identity):
     """Put the family's rotary module, switched, wherever the attention holds one; False where
     it holds none."""
@@ -368,6 +391,7 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
     for c in _sub_configs(top):
         _repaired(c)
+    rotary = _fitted_sections(rotary_cls, rotary, config)
 
     rng = np.random.default_rng(zlib.crc32(rotary_name.encode()) + seed)
     rope_parameters = getattr(config, "rope_parameters", None) or {}
