@@ -201,7 +201,9 @@ def _layer(cfg, layer_type):
 def _layer_overrides(cfg, layer_type):
     """The per-layer fields (a heterogeneous config's per_layer_config, keyed by layer index)
     of the layers of ``layer_type``; the head sizes they give must agree."""
-    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    per_layer = {
+        int(k): v for k, v in (cfg.get("per_layer_config") or {}).items() if str(k).isdigit()
+    }
     found, sizes = None, set()
     for index, kind in enumerate(cfg.get("layer_types") or []):
         if kind == layer_type:
@@ -273,18 +275,26 @@ def _theta(cfg, params):
 def _head_dim(cfg):
     """The head size transformers' rotary module reads: head_dim, else hidden_size //
     num_attention_heads (floored, as the family's projections are)."""
+    for name in ("head_dim", "hidden_size", "num_attention_heads"):
+        value = cfg.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RopeTypeError(f"{name} must be an int, got {value!r}")
     if cfg.get("head_dim") is not None:
-        return int(cfg["head_dim"])
-    return int(_need(cfg, "hidden_size")) // int(_need(cfg, "num_attention_heads"))
+        return cfg["head_dim"]
+    return _need(cfg, "hidden_size") // _need(cfg, "num_attention_heads")
 
 
 def _partial(cfg, params):
     partial = params.get(
         "partial_rotary_factor", cfg.get("partial_rotary_factor", cfg.get("rotary_pct"))
     )
-    if partial is not None and not (0 < float(partial) <= 1):
+    if partial is None:
+        return None
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+        raise RopeTypeError(f"partial_rotary_factor must be a number, got {partial!r}")
+    if not (0 < partial <= 1):
         raise RopeValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
-    return None if partial is None else float(partial)
+    return float(partial)
 
 
 def _rule(kind, params, cfg):
