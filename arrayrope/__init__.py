@@ -3,6 +3,7 @@
 from . import scaling
 from ._api import rotate, rotate_qk
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
+from ._given import apply_cos_sin, apply_cos_sin_qk
 from ._warmup import warmup
 from .rope import RoPE
 
@@ -13,6 +14,8 @@ __all__ = [
     "RopeError",
     "RopeTypeError",
     "RopeValueError",
+    "apply_cos_sin",
+    "apply_cos_sin_qk",
     "rotate",
     "rotate_qk",
     "scaling",

@@ -15,7 +15,7 @@ from ._arrays import CUPY, FOREIGN, NUMPY
 from ._cache import Bounded
 from ._errors import RopeTypeError, RopeValueError
 from ._positions import ARRAY, INT, NONE
-from ._tables import gather
+from ._tables import checked_rows, gather
 
 _NDARRAY = np.ndarray
 
@@ -271,8 +271,11 @@ class Engine:
             idx = xp.asarray(values)
         else:
             value_xp = _arrays.namespace_of(values)
-            flat = values.reshape(-1, values.shape[-1]).astype(np.float64, copy=False)
-            cos, sin = tables.exact(value_xp, dtype, flat)
+            flat = values.reshape(-1, values.shape[-1])
+            if is_int and value_xp is np:  # the kernels' rows past the cache: the same values
+                cos, sin = checked_rows(tables, dtype, flat)
+            else:
+                cos, sin = tables.exact(value_xp, dtype, flat.astype(np.float64, copy=False))
             idx = value_xp.arange(flat.shape[0], dtype=np.int64).reshape(values.shape[:-1] + (1,))
             cos, sin, idx = xp.asarray(cos), xp.asarray(sin), xp.asarray(idx)
         return gather(xp, self.spec.pair_axis, cos, sin, idx)

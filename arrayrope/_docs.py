@@ -73,6 +73,21 @@ head_axis : int, optional
 backend : {"auto", "numba", "numpy", "cupy", "numba-cuda"}
     "auto" takes Numba for NumPy arrays and "cupy" for CuPy arrays; "numpy" is the readable
     array-operations reference, in the array's own namespace.""",
+    "cos, sin": """\
+cos, sin : arrays, shape C + (rotary_dim,) or C + (rotary_dim / 2,)
+    The caller's tables, of x's array kind (NumPy, CuPy, or a DLPack producer), any float
+    dtype. Width rotary_dim is transformers' layout, each pair's value at both of its features
+    (``cat(f, f)`` for style "half", repeat-interleaved for "interleaved"; checked on the host);
+    width rotary_dim / 2 holds one value per pair (flash-attn, vLLM, FlashInfer). C broadcasts
+    against the leading shape as positions do: (T,) against (B, H, T, d); Hugging Face's (B, T)
+    with ``head_axis``. Rounded once to x's compute dtype (float32; float64 for float64 x).
+style : {"interleaved", "half"}
+    The pair layout the tables were made for: required, since a table does not say it.
+rotary_dim : int, optional
+    Rotate the first rotary_dim features (default all); the rest pass through.""",
+    "inverse of cos, sin": """\
+inverse : bool
+    Rotate by minus the tables' angles (sin negated), cos as given: the transpose.""",
     "seq_len": """\
 seq_len : int, optional
     The current length for a length-dependent scaling rule (DynamicNTK, LongRoPE); by

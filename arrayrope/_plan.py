@@ -81,6 +81,17 @@ def _check_outs(xs, outs, array_family, names):
 
 def build(engine, xs, outs, kind, pos, backend):
     """The plan for a call on arrays of a known family (NumPy or CuPy); raises for bad input."""
+    array_family, backend = checked(engine, xs, outs, kind, pos, backend)
+    general = GeneralPlan(engine, xs, outs, kind, backend, array_family)
+    if backend == "numba":
+        rows = backend_module("numba").rows_plan(engine, xs, outs, kind, pos, general)
+        if rows is not None:
+            return rows
+    return general
+
+
+def checked(engine, xs, outs, kind, pos, backend):
+    """(array family, backend) of a call whose layout passes every check; raises otherwise."""
     spec = engine.spec
     names = ("x",) if len(xs) == 1 else ("q", "k")
     array_family = _arrays.family(xs[0])
@@ -104,12 +115,7 @@ def build(engine, xs, outs, kind, pos, backend):
         if array_family == NUMPY and _arrays.family(pos) == CUPY:
             raise RopeTypeError("pos is a CuPy array but x is a NumPy array; pass host positions")
         _positions.with_axes(pos, spec.n_axes, leads)
-    general = GeneralPlan(engine, xs, outs, kind, backend, array_family)
-    if backend == "numba":
-        rows = backend_module("numba").rows_plan(engine, xs, outs, kind, pos, general)
-        if rows is not None:
-            return rows
-    return general
+    return array_family, backend
 
 
 class GeneralPlan:

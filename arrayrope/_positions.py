@@ -58,14 +58,14 @@ def check_int(value):
     return value
 
 
-def with_axes(values, n_axes, leads):
+def with_axes(values, n_axes, leads, name="pos"):
     """``values`` (an array) with its trailing axis of n_axes (added for one axis), checked to
-    broadcast to every leading shape in ``leads``."""
+    broadcast to every leading shape in ``leads``; errors call it ``name``."""
     if n_axes == 1:
         values = values[..., None]
     elif values.ndim == 0 or values.shape[-1] != n_axes:
         raise RopeValueError(
-            f"pos must end in an axis of size n_axes ({n_axes}), got shape {values.shape}"
+            f"{name} must end in an axis of size n_axes ({n_axes}), got shape {values.shape}"
         )
     shape = values.shape[:-1]
     for lead in leads:
@@ -74,18 +74,18 @@ def with_axes(values, n_axes, leads):
         gained = lead[: len(lead) - len(shape)]
         if 1 < len(shape) < len(lead) and 1 not in shape and any(n > 1 for n in gained):
             raise RopeValueError(
-                f"pos of shape {shape} has fewer axes than the leading shape {lead}, and would "
+                f"{name} of shape {shape} has fewer axes than the leading shape {lead}, and would "
                 f"broadcast as {(1,) * (len(lead) - len(shape)) + shape}. For (B, T) "
                 "position_ids give head_axis (1 for (B, H, T, d), 2 for (B, T, H, d)), or an "
-                "axis of size 1 where pos broadcasts"
+                f"axis of size 1 where {name} broadcasts"
             )
     if not all(broadcasts(values.shape[:-1], lead) for lead in leads):
         shown = values.shape if n_axes > 1 else values.shape[:-1]
         hint = ""
         if len(shape) == 1 and any(len(lead) >= 2 and lead[-2] == shape[0] for lead in leads):
-            hint = "; for one position per token of (B, T, H, d), give pos[:, None]: (T, 1)"
+            hint = f"; for one row per token of (B, T, H, d), give {name}[:, None]: (T, 1)"
         raise RopeValueError(
-            f"pos of shape {shown} does not broadcast to the leading shape "
+            f"{name} of shape {shown} does not broadcast to the leading shape "
             + " and ".join(str(lead) for lead in leads)
             + (f" (with a trailing axis of {n_axes})" if n_axes > 1 else "")
             + hint

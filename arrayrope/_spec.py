@@ -178,8 +178,9 @@ def check_inverse(inverse):
     raise RopeTypeError(f"inverse must be a bool, got {inverse!r}")
 
 
-def with_head_axis(pos, head_axis, x, n_axes):
-    """``pos`` with an axis of size 1 at ``x``'s axis ``head_axis`` (which it must lack)."""
+def with_head_axis(pos, head_axis, x, n_axes, name="pos"):
+    """``pos`` with an axis of size 1 at ``x``'s axis ``head_axis`` (which it must lack); errors
+    call it ``name``."""
     shape = getattr(x, "shape", None)
     if not isinstance(shape, tuple):
         raise RopeTypeError(f"head_axis needs an x with a shape, got {_arrays.describe(x)}")
@@ -195,13 +196,13 @@ def with_head_axis(pos, head_axis, x, n_axes):
         )
     axis %= len(shape)
     if pos is None or not hasattr(pos, "ndim") and np.ndim(pos) == 0:
-        raise RopeValueError("head_axis applies to array positions, got " + repr(pos))
+        raise RopeValueError(f"head_axis applies to an array {name}, got {pos!r}")
     if not hasattr(pos, "ndim"):
         pos = np.asarray(pos)
     wanted = lead - 1 + (n_axes > 1)
     if pos.ndim != wanted:
         raise RopeValueError(
-            f"with head_axis={head_axis}, pos must have x's leading axes but that one "
+            f"with head_axis={head_axis}, {name} must have x's leading axes but that one "
             f"({wanted} axes{' with the trailing n_axes' if n_axes > 1 else ''}), got shape "
             f"{tuple(pos.shape)}"
         )
@@ -209,9 +210,9 @@ def with_head_axis(pos, head_axis, x, n_axes):
     shape = tuple(placed.shape[:-1] if n_axes > 1 else placed.shape)
     if not all(p == 1 or p == n for p, n in zip(shape, x.shape[:-1])):
         raise RopeValueError(
-            f"with head_axis={head_axis}, pos of shape {tuple(pos.shape)} lines up as {shape} "
+            f"with head_axis={head_axis}, {name} of shape {tuple(pos.shape)} lines up as {shape} "
             f"against x's leading shape {tuple(x.shape[:-1])}; head_axis is the axis of x that "
-            "pos lacks (1 for (B, H, T, d), 2 for (B, T, H, d))"
+            f"{name} lacks (1 for (B, H, T, d), 2 for (B, T, H, d))"
         )
     return placed
 

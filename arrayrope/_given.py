@@ -1,0 +1,288 @@
+"""Rotation by cos and sin tables the caller gives (``apply_cos_sin``): the kernels of every
+other call, reading the caller's rows instead of arrayrope's.
+
+A table of shape C + (w,) holds one row per entry of C, which broadcasts against x's leading
+shape as positions do; each x row reads its entry's row, so the kernels see an int64 index per
+entry (0..R-1) where they would see a position. w is the rotated width (transformers' layout:
+each pair's value at both of its features) or half of it (one value per pair, as flash-attn,
+vLLM and FlashInfer keep them).
+"""
+
+from typing import Any
+
+import numpy as np
+
+from . import _arrays, _dispatch, _interop, _plan, _positions
+from ._arrays import CUPY, NUMPY
+from ._cache import Bounded
+from ._docs import filled
+from ._errors import RopeTypeError, RopeValueError
+from ._spec import Spec, check_inverse, frozen, int_arg, segments, style_arg, with_head_axis
+
+# Specs by (head_dim, rotary_dim, style), and plans by call layout: a bounded cache each.
+_specs = Bounded(64)
+_plans = Bounded(256)
+
+
+class _Caller:
+    """What a plan needs of an engine: the spec (no frequency sets: tables come per call)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
+def _spec(head_dim, rotary_dim, style):
+    key = (head_dim, rotary_dim, style)
+    found = _specs.get(key)
+    if found is None:
+        pair_axis = np.zeros(rotary_dim // 2, np.int64)
+        found = _specs.put(
+            key,
+            Spec(
+                head_dim=head_dim,
+                rotary_dim=rotary_dim,
+                style=style,
+                half_style=style == "half",
+                n_axes=1,
+                pair_axis=frozen(pair_axis),
+                segments=frozen(segments(pair_axis)),
+                dynamic=False,
+            ),
+        )
+    return found
+
+
+class GivenPlan(_plan.GeneralPlan):
+    """The general plan of a call's layout, run on the caller's table rows."""
+
+    def run_given(self, xs, cos, sin, idx, inverse, outs):
+        if self.family == CUPY:
+            with xs[0].device:
+                return self._run_given(xs, cos, sin, idx, inverse, outs)
+        return self._run_given(xs, cos, sin, idx, inverse, outs)
+
+    def _run_given(self, xs, cos, sin, idx, inverse, outs):
+        if self.device is not None and self.device.begin(self.xp, self._device()):
+            raise RopeValueError(
+                "apply_cos_sin cannot be captured in a CUDA graph: its tables are the call's"
+            )
+        results, in_place = self._results(xs, outs)
+        operands, write_back = [], []
+        for x, out, same in zip(xs, results, in_place):
+            if x.size:
+                operands.append(self.operand(x, out, idx, same, write_back))
+        if operands:
+            self.launch(self.spec, operands, cos, sin, inverse)
+        for temp, out in write_back:
+            out[...] = temp
+        return results
+
+
+def _table(name, t, x, rotary_dim, style):
+    """The caller's table as the kernels read it: (R, rotary_dim // 2) in the compute dtype of
+    x, one row per entry of its leading shape."""
+    family = _arrays.family(x)
+    if _arrays.family(t) != family:
+        raise RopeTypeError(
+            f"{name} must be an array of x's kind ({_arrays.describe(x)}), got "
+            f"{_arrays.describe(t)}"
+        )
+    if family == CUPY and t.device != x.device:
+        raise RopeValueError(f"{name} is on device {t.device.id}, x on device {x.device.id}")
+    if t.ndim == 0 or _arrays.compute_dtype(t.dtype) is None:
+        raise RopeTypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {_arrays.describe(t)}"
+        )
+    pairs = rotary_dim // 2
+    if t.shape[-1] == rotary_dim:  # each pair's value at both of its features
+        first, second = (
+            (t[..., :pairs], t[..., pairs:]) if style == "half" else (t[..., 0::2], t[..., 1::2])
+        )
+        if family == NUMPY and not np.array_equal(first, second, equal_nan=True):
+            halves = (
+                "[..., :r/2] and [..., r/2:]" if style == "half" else "[..., 0::2] and [..., 1::2]"
+            )
+            raise RopeValueError(
+                f"{name} of width rotary_dim ({rotary_dim}) must hold each pair's value at both "
+                f"of its features ({name}{halves} equal, for style={style!r}); give one value "
+                f"per pair as width {pairs}, or the style the table was made for"
+            )
+        t = first
+    xp = _arrays.namespace(family)
+    dtype = _arrays.compute_dtype(x.dtype)
+    return xp.ascontiguousarray(t.reshape(-1, pairs), dtype=dtype)
+
+
+def _native(name, a, written=False):
+    """(NumPy or CuPy view of ``a``, the function that hands a result back as ``a``'s type or
+    None for a native array)."""
+    if _arrays.family(a):
+        return a, None
+    if _interop.jax_traced(a):
+        raise RopeTypeError(
+            f"apply_cos_sin takes concrete JAX arrays: {name} is traced (jit, grad, vmap), "
+            "which apply_cos_sin does not support; use RoPE.rotate there"
+        )
+    native, back, read_only = _interop.adopt(name, a, written)
+    if written and read_only:
+        raise RopeValueError(
+            f"{name} is read-only ({_arrays.describe(a)}); rotate into a writable array, or "
+            "leave out unset"
+        )
+    return native, back
+
+
+def _torch_traced(xs, cos, sin, outs):
+    """Whether a call on torch tensors must go through the operator (``_torch_given``): torch
+    traces, transforms or records it, for x, k, the tables or the outs."""
+    if type(xs[0]).__module__[:5] != "torch":
+        return False
+    k = xs[1] if len(xs) == 2 else None
+    return _interop.torch_ops_wanted(xs[0], cos, outs, k) or _interop.torch_ops_wanted(
+        xs[0], sin, None
+    )
+
+
+def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
+    """The rotated ``xs`` (one operand, or q and k) by the caller's tables; see
+    ``arrayrope.apply_cos_sin``."""
+    style = style_arg(style)
+    inverse = check_inverse(inverse)
+    if _torch_traced(xs, cos, sin, outs):
+        from . import _torch_given
+
+        return _torch_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
+                                          head_axis, backend)  # fmt: skip
+    given = xs + (cos, sin) + (outs or ())
+    xs, restores = zip(*(_native(name, a) for name, a in zip(names, xs)))
+    cos, sin = _native("cos", cos)[0], _native("sin", sin)[0]
+    native_outs = None
+    if outs is not None:
+        names_out = ("out",) if len(outs) == 1 else ("out[0]", "out[1]")
+        native_outs = tuple(_native(n, o, True)[0] for n, o in zip(names_out, outs))
+    x = xs[0]
+    _arrays.check_float(names[0], x, x.shape[-1] if x.ndim else 0)
+    d = x.shape[-1]
+    rotary_dim = d if rotary_dim is None else int_arg("rotary_dim", rotary_dim, minimum=2)
+    if rotary_dim % 2 or rotary_dim > d:
+        raise RopeValueError(f"rotary_dim must be even and <= head_dim ({d}), got {rotary_dim}")
+    if cos.shape != sin.shape:
+        raise RopeValueError(f"cos and sin must have one shape, got {cos.shape} and {sin.shape}")
+    if cos.ndim == 0 or cos.shape[-1] not in (rotary_dim, rotary_dim // 2):
+        raise RopeValueError(
+            f"cos and sin must end in rotary_dim ({rotary_dim}: each pair's value at both of its "
+            f"features) or rotary_dim / 2 ({rotary_dim // 2}: one value per pair), got shape "
+            f"{cos.shape}"
+        )
+    lead = tuple(cos.shape[:-1])
+    if head_axis is not None:
+        lead = tuple(with_head_axis(np.empty(lead, np.int8), head_axis, x, 1, "cos").shape)
+    probe = np.empty(lead, np.int64)  # the layout of the kernels' row indices
+    _positions.with_axes(probe, 1, [a.shape[:-1] for a in xs], "cos")
+    spec = _spec(d, rotary_dim, style)
+    kind = _positions.ARRAY
+    key = (spec,) + _dispatch.plan_key(xs, kind, probe, native_outs, backend)
+    plan = _plans.get(key)
+    if plan is None:
+        engine = _Caller(spec)
+        family, backend = _plan.checked(engine, xs, native_outs, kind, probe, backend)
+        plan = _plans.put(key, GivenPlan(engine, xs, native_outs, kind, backend, family))
+    cos = _table("cos", cos, x, rotary_dim, style)
+    sin = _table("sin", sin, x, rotary_dim, style)
+    idx = plan.xp.arange(cos.shape[0], dtype=np.int64).reshape(lead + (1,))
+    with _interop.framework_stream(given):
+        results = plan.run_given(xs, cos, sin, idx, inverse, native_outs)
+    if outs is not None:
+        return tuple(outs)  # written through their shared memory
+    return tuple(r if back is None else back(r) for r, back in zip(results, restores))
+
+
+@filled
+def apply_cos_sin(
+    x: Any,
+    cos: Any,
+    sin: Any,
+    *,
+    style: str,
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: Any = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+) -> Any:
+    """Rotate ``x`` by cos and sin tables the caller computed: ``x * cos + rotate(x) * sin``
+    pair by pair, in the kernels of :func:`rotate`.
+
+    For tables from elsewhere: a reference model's own (transformers' ``position_embeddings``,
+    to match its logits bit for bit), learned or hand-made frequencies.
+
+    Parameters
+    ----------
+    {x}
+    {cos, sin}
+    {inverse of cos, sin}
+    {out}
+    {head_axis}
+    {backend}
+
+    Returns
+    -------
+    {returns}
+
+    Raises
+    ------
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, arrayrope as ar
+    >>> x = np.ones((2, 3, 4, 8), np.float32)                  # (B, H, T, d)
+    >>> angle = np.arange(4)[:, None] * 0.5 ** np.arange(4)    # (T, d/2)
+    >>> y = ar.apply_cos_sin(x, np.cos(angle), np.sin(angle), style="half")
+    >>> bool(np.allclose(y, ar.rotate(x, np.arange(4), base=16.0, style="half")))
+    True
+    """
+    return apply((x,), cos, sin, style, rotary_dim, inverse, None if out is None else (out,),
+                 head_axis, backend, ("x",))[0]  # fmt: skip
+
+
+@filled
+def apply_cos_sin_qk(
+    q: Any,
+    k: Any,
+    cos: Any,
+    sin: Any,
+    *,
+    style: str,
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: tuple[Any, Any] | None = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+) -> tuple[Any, Any]:
+    """Rotate queries and keys by the same caller's tables, in one kernel launch for both:
+    :func:`apply_cos_sin` of each.
+
+    Parameters
+    ----------
+    {q, k}
+    {cos, sin}
+    {inverse of cos, sin}
+    {out of q, k}
+    {head_axis}
+    {backend}
+
+    Returns
+    -------
+    {returns of q, k}
+
+    Raises
+    ------
+    {raises}
+    """
+    if out is not None and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise RopeTypeError(f"out must be None or a pair (q_out, k_out), got {type(out).__name__}")
+    return apply((q, k), cos, sin, style, rotary_dim, inverse, None if out is None else tuple(out),
+                 head_axis, backend, ("q", "k"))  # fmt: skip
