@@ -120,11 +120,6 @@ def _native(name, a, written=False):
     None for a native array)."""
     if _arrays.family(a):
         return a, None
-    if _interop.jax_traced(a):
-        raise RopeTypeError(
-            f"apply_cos_sin takes concrete JAX arrays: {name} is traced (jit, grad, vmap), "
-            "which apply_cos_sin does not support; use RoPE.rotate there"
-        )
     native, back, read_only = _interop.adopt(name, a, written)
     if written and read_only:
         raise RopeValueError(
@@ -155,6 +150,11 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
 
         return _torch_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
                                           head_axis, backend)  # fmt: skip
+    if _interop.jax_traced(*xs, cos, sin):
+        from . import _jax_given
+
+        return _jax_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
+                                        head_axis, backend)  # fmt: skip
     given = xs + (cos, sin) + (outs or ())
     xs, restores = zip(*(_native(name, a) for name, a in zip(names, xs)))
     cos, sin = _native("cos", cos)[0], _native("sin", sin)[0]

@@ -160,9 +160,12 @@ def _view(address, dtype, bits, read_only):
 
 # Registry: every static part of a call, by its index: (engine key, operands, position kind, scalar
 # position, inverse, backend, seq_len, dtype). Kinds: "array" (an operand), "int", "float",
-# "none". One entry per distinct static call, as jit keeps one program per one.
+# "none". One entry per distinct static call, as jit keeps one program per one. Other primitives
+# that lower to the same handler keep entries that begin with their name, and run them with
+# RUNNERS[name](args, rets, entry).
 _calls = []
 _call_ids = {}
+RUNNERS = {}
 
 
 _lock = threading.Lock()
@@ -198,7 +201,11 @@ def _handle(frame_pointer):
         if frame.stage != 3:
             return None
         call_id = ctypes.cast(frame.attrs.attrs[0], _SCALAR).contents.value[0]
-        key, operands, kind, scalar, inverse, backend, seq_len, dtype = _calls[call_id]
+        call = _calls[call_id]
+        if isinstance(call[0], str):  # another primitive's call (see RUNNERS)
+            RUNNERS[call[0]](frame.args.items, frame.rets.items, call)
+            return None
+        key, operands, kind, scalar, inverse, backend, seq_len, dtype = call
         dtype, bits = _storage(dtype)
         args = frame.args.items
         rets = frame.rets.items

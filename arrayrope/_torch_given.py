@@ -186,11 +186,12 @@ def _vmap(info, in_dims, x, cos, sin, style, rotary_dim, inverse, head_axis, bac
         if batched:
             t = t.movedim(dim, 0)
         if head_axis is not None:
-            t = t.unsqueeze(int(batched) + head_axis % (lead - 1))
+            t = t.unsqueeze(int(batched) + head_axis % lead)  # x's axis, as x was
         own = t.shape[1:-1] if batched else t.shape[:-1]
         pad = (1,) * (lead - 1 - len(own))
         shape = (t.shape[0] if batched else 1,) + pad + tuple(own) + t.shape[-1:]
         tables.append(t.reshape(shape))
+    tables = torch.broadcast_tensors(*tables)  # cos and sin of one shape, batched or not
     args = (style, rotary_dim, inverse, None, backend)
     return torch.ops.arrayrope.apply_cos_sin.default(x, *tables, *args), 0
 
@@ -209,8 +210,7 @@ def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, bac
     rotary_dim = xs[0].shape[-1] if rotary_dim is None else rotary_dim
     args = (style, int(rotary_dim), bool(inverse), head_axis, backend)
     transformed = not torch.compiler.is_compiling() and (
-        torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
+        torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
     )
     results = []
     for i, x in enumerate(xs):

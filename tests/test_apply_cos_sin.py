@@ -252,3 +252,52 @@ def test_torch_gradients_reach_the_tables(style, duplicated, head_axis):
         torch.ops.arrayrope.apply_cos_sin.default,
         (plain[0], plain[1], plain[2], style, 8, False, head_axis, "auto"),
     )
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("duplicated", [False, True], ids=["pairs", "duplicated"])
+def test_jax_transforms_reach_the_tables(style, duplicated):
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    jnp = jax.numpy
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 5, 12)), jnp.float32)
+    cos, sin = (jnp.asarray(rng.standard_normal((2, 5, 4)), jnp.float32) for _ in range(2))
+    widen = (
+        (lambda t: jnp.concatenate([t, t], -1))
+        if style == "half"
+        else (lambda t: jnp.repeat(t, 2, -1))
+    )
+    if duplicated:
+        cos, sin = widen(cos), widen(sin)
+    full = (lambda t: t) if duplicated else widen
+
+    def f(x, c, s):
+        return ar.apply_cos_sin(x, c, s, style=style, rotary_dim=8, head_axis=1)
+
+    def reference(x, c, s):
+        c, s = full(c)[:, None], full(s)[:, None]
+        rot = x[..., :8]
+        if style == "half":
+            turned = jnp.concatenate([-rot[..., 4:], rot[..., :4]], -1)
+        else:
+            turned = jnp.stack([-rot[..., 1::2], rot[..., 0::2]], -1).reshape(rot.shape)
+        return jnp.concatenate([rot * c + turned * s, x[..., 8:]], -1)
+
+    def close(a, b):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max() + 1)
+
+    close(jax.jit(f)(x, cos, sin), reference(x, cos, sin))
+    weights = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    for got, want in zip(
+        jax.jit(jax.grad(lambda *a: (f(*a) * weights).sum(), argnums=(0, 1, 2)))(x, cos, sin),
+        jax.grad(lambda *a: (reference(*a) * weights).sum(), argnums=(0, 1, 2))(x, cos, sin),
+    ):
+        close(got, want)
+    tangents = tuple(jnp.asarray(rng.standard_normal(t.shape), jnp.float32) for t in (x, cos, sin))
+    close(jax.jvp(f, (x, cos, sin), tangents)[1], jax.jvp(reference, (x, cos, sin), tangents)[1])
+    stacked = jnp.stack([cos, 2 * cos, 3 * cos])
+    close(
+        jax.vmap(f, (None, 0, None))(x, stacked, sin),
+        jax.vmap(reference, (None, 0, None))(x, stacked, sin),
+    )
+    assert jax.eval_shape(f, x, cos, sin).shape == x.shape
