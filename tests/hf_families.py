@@ -269,6 +269,44 @@ def _rotate(rope, x, pos, head_axis, deinterleaved):
     return out
 
 
+BIT_EXACT = "apply_cos_sin of its own tables gives its q and k bit for bit"
+
+
+def _same_bits(rope, embeddings, q0, q1, k0, k1, pos, head_axis):
+    """Whether apply_cos_sin with the family's own cos and sin (float32 q and k) gives the
+    family's results bit for bit."""
+    import torch
+
+    if not (isinstance(embeddings, tuple) and len(embeddings) == 2) or q0.dtype != np.float32:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in embeddings):
+        return False
+    cos, sin = (t.detach().numpy() for t in embeddings)
+    n = rope.head_dim
+    if cos.shape[-1] not in (rope.rotary_dim, rope.rotary_dim // 2):
+        return False
+    kw = {"style": rope.style, "rotary_dim": rope.rotary_dim}
+    if head_axis is not None:
+        kw["head_axis"] = head_axis
+    else:  # the patches' axis of q, as the positions were shaped
+        found = [i for i, size in enumerate(q0.shape[:-1]) if size == cos.shape[0]]
+        if not found or cos.ndim != 2:
+            return False
+        shape = [1] * (q0.ndim - 1) + [cos.shape[-1]]
+        shape[found[-1]] = cos.shape[0]
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+    try:
+        for x0, x1 in ((q0, q1), (k0, k1)):
+            got = x0.copy()
+            part = np.ascontiguousarray(x0[..., x0.shape[-1] - n :])
+            got[..., x0.shape[-1] - n :] = ar.apply_cos_sin(part, cos, sin, **kw)
+            if not np.array_equal(got.view(np.uint32), x1.view(np.uint32)):
+                return False
+    except ar.RopeError:
+        return False
+    return True
+
+
 def _repaired(config):
     """Fields the attention classes read that a config class may leave None by default,
     derived as transformers derives them elsewhere."""
@@ -517,6 +555,8 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             note = ", written de-interleaved" if deinterleaved else ""
             if scale != 1.0:
                 note += ", attention scaling normalized away after the rotation"
+            elif not deinterleaved and _same_bits(rope, embeddings, q0, q1, k0, k1, pos, axis):
+                note += ", " + BIT_EXACT
             return MATCH, f"{where}: {rope!r}{note}"
         return WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"
 
@@ -547,6 +587,8 @@ def main():
         for variant in (None, "yarn"):
             result = drive(module_name, rotary_name, variant=variant)
             counts[result.status, variant] = counts.get((result.status, variant), 0) + 1
+            if BIT_EXACT in result.detail:
+                counts["bit for bit", variant] = counts.get(("bit for bit", variant), 0) + 1
             print(f"{result.status:9} {family:24} {result.rotary:40} {variant or '':5} "
                   f"{result.detail}", flush=True)  # fmt: skip
     print(counts, file=sys.stderr)

@@ -169,3 +169,41 @@ def test_conflicting_fields_are_errors():
         ar.RoPE.from_hf_config({**gptj, "rotary_dim": 32, "partial_rotary_factor": 0.25})
     # a field the family's code does not read is not read here either
     assert ar.RoPE.from_hf_config({**base, "rotary_dim": 32}).rotary_dim == 64
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen2_vl"])
+def test_apply_cos_sin_of_transformers_tables_is_bit_for_bit(family):
+    """transformers' own float32 cos and sin, applied by apply_cos_sin_qk, give its q and k bit
+    for bit: the route for matching a reference model's logits exactly."""
+    if family == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers.models.llama import modeling_llama as modeling
+
+        config, rotary = Config(hidden_size=256, num_attention_heads=4), "LlamaRotaryEmbedding"
+    elif family == "gpt_neox":
+        from transformers import GPTNeoXConfig as Config
+        from transformers.models.gpt_neox import modeling_gpt_neox as modeling
+
+        config = Config(hidden_size=256, num_attention_heads=4, rotary_pct=0.25)
+        rotary = "GPTNeoXRotaryEmbedding"
+    else:
+        from transformers import Qwen2VLTextConfig as Config
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as modeling
+
+        sections = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}
+        config = Config(hidden_size=256, num_attention_heads=4, rope_parameters=sections)
+        rotary = "Qwen2VLRotaryEmbedding"
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(rng.standard_normal((2, 4, 30, 64)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((2, 4, 30, 64)).astype(np.float32))
+    shape = (3, 2, 30) if family == "qwen2_vl" else (2, 30)
+    position_ids = torch.from_numpy(rng.integers(0, 100000, size=shape))
+    cos, sin = getattr(modeling, rotary)(config)(q, position_ids)
+    want_q, want_k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    rotary_dim = cos.shape[-1]
+    got_q, got_k = ar.apply_cos_sin_qk(
+        q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), style="half", rotary_dim=rotary_dim,
+        head_axis=1,
+    )  # fmt: skip
+    assert np.array_equal(got_q.view(np.uint32), want_q.numpy().view(np.uint32))
+    assert np.array_equal(got_k.view(np.uint32), want_k.numpy().view(np.uint32))
