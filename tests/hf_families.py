@@ -128,10 +128,16 @@ def _attention(cls, configs, layer_idx):
     """The attention class built from the first of ``configs`` it takes, on fixed layers."""
     import torch
 
-    params = inspect.signature(cls.__init__).parameters
-    kwargs = {"layer_idx": layer_idx} if "layer_idx" in params else {}
+    params = list(inspect.signature(cls.__init__).parameters.items())[2:]
     error = None
     for config in configs:
+        # the other arguments by their names: a layer index, or the config's field of the name
+        kwargs = {}
+        for name, p in params:
+            if name.endswith("_idx"):
+                kwargs[name] = layer_idx
+            elif p.default is inspect.Parameter.empty and p.kind == p.POSITIONAL_OR_KEYWORD:
+                kwargs[name] = True if name == "is_causal" else getattr(config, name, None)
         try:
             with torch.device("meta"):
                 attention = cls(config, **kwargs)
@@ -162,6 +168,27 @@ def _attention(cls, configs, layer_idx):
             elif tensor.is_floating_point():
                 tensor.fill_(0.5)
     return attention
+
+
+@contextlib.contextmanager
+def _at_apply(module):
+    """The module's apply functions made to record what they return (q and k rotated), for
+    attention classes that compute their scores themselves."""
+    saved = {}
+    for name, function in vars(module).items():
+        if name.startswith("apply_rotary") and callable(function):
+            saved[name] = function
+
+            def recorder(*args, _function=function, **kwargs):
+                q, k = _function(*args, **kwargs)[:2]
+                raise _Captured(q.detach().clone(), k.detach().clone())
+
+            setattr(module, name, recorder)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(module, name, function)
 
 
 @contextlib.contextmanager
@@ -198,13 +225,15 @@ def _run(attention, module, config, hidden, embeddings, extra):
             continue
         if p.default is not inspect.Parameter.empty and name != "position_ids":
             continue
-        kwargs[name] = extra.get(name)
-    with _recording(module, config):
-        try:
-            attention(hidden, **kwargs)
-        except _Captured as captured:
-            return captured.query, captured.key
-    raise RuntimeError("the attention did not reach its attention function")
+        # a hybrid layer's input before its other blocks (Zamba2): the same states
+        kwargs[name] = hidden if name == "original_hidden_states" else extra.get(name)
+    for recording in (_recording(module, config), _at_apply(module)):
+        with recording:
+            try:
+                attention(hidden, **kwargs)
+            except _Captured as captured:
+                return captured.query, captured.key
+    raise RuntimeError("the attention reached neither its attention nor its apply function")
 
 
 def _identity(at_zero):
@@ -310,6 +339,13 @@ def _same_bits(rope, embeddings, q0, q1, k0, k1, pos, head_axis):
 def _repaired(config):
     """Fields the attention classes read that a config class may leave None by default,
     derived as transformers derives them elsewhere."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        try:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 4:  # experts hold no RoPE: four build faster
+                setattr(config, name, 4)
+        except Exception:  # noqa: BLE001 - a per-layer field of a heterogeneous config
+            pass
     for name, value in (
         ("head_dim", lambda: config.hidden_size // config.num_attention_heads),
         ("num_key_value_heads", lambda: config.num_attention_heads),
