@@ -165,6 +165,8 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
     x = xs[0]
     _arrays.check_float(names[0], x, x.shape[-1] if x.ndim else 0)
     d = x.shape[-1]
+    if rotary_dim is None and d % 2:
+        raise RopeValueError(f"{names[0]}.shape[-1] must be even, got {d}")
     rotary_dim = d if rotary_dim is None else int_arg("rotary_dim", rotary_dim, minimum=2)
     if rotary_dim % 2 or rotary_dim > d:
         raise RopeValueError(f"rotary_dim must be even and <= head_dim ({d}), got {rotary_dim}")
@@ -191,6 +193,12 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
         plan = _plans.put(key, GivenPlan(engine, xs, native_outs, kind, backend, family))
     cos = _table("cos", cos, x, rotary_dim, style)
     sin = _table("sin", sin, x, rotary_dim, style)
+    if native_outs is not None and plan.family == NUMPY:
+        # a table the caller's memory still holds, which an out would overwrite as it is read
+        cos, sin = (
+            t.copy() if any(np.may_share_memory(o, t) for o in native_outs) else t
+            for t in (cos, sin)
+        )
     idx = plan.xp.arange(cos.shape[0], dtype=np.int64).reshape(lead + (1,))
     with _interop.framework_stream(given):
         results = plan.run_given(xs, cos, sin, idx, inverse, native_outs)

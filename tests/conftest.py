@@ -3,6 +3,9 @@
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 # Without a GPU, numba.cuda kernels run under Numba's CUDA simulator. The switch is read when
 # Numba is first imported, so it is set here, before any test module imports it.
@@ -87,7 +90,34 @@ def pytest_cmdline_main(config):
         config.option.dist = "worksteal"
 
 
+_WARMED = pytest.StashKey()
+
+
+def _warm_kernels(config):
+    """Under ``-n``, before the workers start: the common kernel variants compiled into the
+    disk cache by one process per worker, each on its share of the dtypes. Each worker would
+    otherwise compile what it meets, and two that meet a variant at once both compile it."""
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not workers or config.option.collectonly:
+        return None
+    if os.environ.get("ARRAYROPE_NUMBA_CACHE") == "0":
+        return None
+    workers = workers if isinstance(workers, int) else os.cpu_count() or 1
+    dtypes = ["float16", "bfloat16", "float32", "float64"]
+    shares = [dtypes[i :: min(workers, 4)] for i in range(min(workers, 4))]
+    start = time.perf_counter()
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "arrayrope", "warmup", *share],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for share in shares
+    ]  # fmt: skip
+    for process in processes:
+        process.wait()
+    return time.perf_counter() - start
+
+
 def pytest_configure(config):
+    config.stash[_WARMED] = _warm_kernels(config)
     settings.load_profile("slow" if config.getoption("--slow") else "default")
     seed = config.getoption("--seed")
     config.stash[_SEED] = (
@@ -96,7 +126,11 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"arrayrope random inputs: --seed {config.stash[_SEED]}"
+    lines = [f"arrayrope random inputs: --seed {config.stash[_SEED]}"]
+    warmed = config.stash.get(_WARMED, None)
+    if warmed is not None:
+        lines.append(f"arrayrope kernels: common variants in the disk cache after {warmed:.1f} s")
+    return lines
 
 
 @pytest.hookimpl(wrapper=True)

@@ -165,6 +165,14 @@ def test_refusals_name_the_argument():
     assert not out.any()  # nothing written on a refusal
 
 
+def test_an_out_over_the_tables_reads_them_first(rng):
+    buffer = random_array(rng, (4, 16), np.float32)
+    x, table = buffer[:, :8], buffer[:, 8:12]  # cos in the memory out= is about to write
+    want = ar.apply_cos_sin(x.copy(), table.copy(), table.copy(), style="half")
+    assert np.array_equal(ar.apply_cos_sin(buffer[:, :8], table, table, style="half",
+                                           out=buffer[:, 8:]), want)  # fmt: skip
+
+
 def test_framework_arrays_come_back_as_their_own_type(rng):
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
     x = random_array(rng, (2, 4, 5, 8), np.float32)
