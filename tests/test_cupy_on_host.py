@@ -591,3 +591,29 @@ def test_device_positions_grow_the_table_by_their_longest_axis(cp, rng):
     table = rope._engine.freq_set(None).tables.existing(0, np.dtype(np.float32))
     assert 600 <= table.shape[1] < 4800
     np.testing.assert_allclose(got, rope.rotate(x.get(), values, head_axis=1), atol=3e-6)
+
+
+@pytest.mark.parametrize("backend", ["cupy", "numpy"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("duplicated", [False, True], ids=["pairs", "duplicated"])
+def test_apply_cos_sin_on_the_device(cp, rng, backend, dtype, duplicated):
+    """The caller's tables on the device: the host's bits, by the CUDA source."""
+    x = random_array(rng, (2, 3, 5, 16), dtype)
+    angles = rng.uniform(-10, 10, (2, 5, 6))
+    cos, sin = np.cos(angles), np.sin(angles)
+    if duplicated:
+        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    kw = dict(style="half", rotary_dim=12, head_axis=1)
+    want = ar.apply_cos_sin(x, cos, sin, **kw)
+    got = ar.apply_cos_sin(cp.asarray(x), cp.asarray(cos), cp.asarray(sin), backend=backend, **kw)
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(bits(got.get()), bits(want))
+    with pytest.raises(ar.RopeTypeError, match="cos must be an array of x's kind"):
+        ar.apply_cos_sin(cp.asarray(x), cos, sin, **kw)  # host tables for a device x
+    on_device = cp.asarray(x), cp.asarray(cos), cp.asarray(sin)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        with pytest.raises(ar.RopeValueError, match="cannot be captured in a CUDA graph"):
+            ar.apply_cos_sin(*on_device, **kw)
+        stream.end_capture()

@@ -281,3 +281,17 @@ def test_subnormals_and_the_cpu_bits():
         gpu = ar.rotate(cupy.asarray(x), pos, style=style, backend="cupy").get()
         cpu = ar.rotate(x, pos, style=style)
         np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_apply_cos_sin_matches_the_host(backend, dtype):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 4, 33, 64)).astype(dtype)
+    angles = rng.uniform(-10, 10, (2, 33, 32))
+    cos, sin = np.cos(angles), np.sin(angles)
+    want = ar.apply_cos_sin(x, cos, sin, style="half", head_axis=1)
+    got = ar.apply_cos_sin(_device(x), cupy.asarray(cos), cupy.asarray(sin), style="half",
+                           head_axis=1, backend=backend)  # fmt: skip
+    # the CuPy kernels give the host's bits; numba.cuda may contract into FMAs
+    assert_matches(_host(got, dtype), want.astype(np.float64), x)
