@@ -140,11 +140,66 @@ def _torch_traced(xs, cos, sin, outs):
     )
 
 
+class _Prepared:
+    """A call whose layout has been checked and planned: what each call of that layout still
+    does (the tables' rows, the overlap of outs with them, the launch)."""
+
+    __slots__ = ("plan", "idx", "rotary_dim", "style", "dtype")
+
+    def __init__(self, plan, idx, rotary_dim, style, dtype):
+        self.plan, self.idx, self.rotary_dim, self.style, self.dtype = (
+            plan, idx, rotary_dim, style, dtype
+        )  # fmt: skip
+
+    def run(self, xs, cos, sin, inverse, outs):
+        cos = _table("cos", cos, xs[0], self.rotary_dim, self.style)
+        sin = _table("sin", sin, xs[0], self.rotary_dim, self.style)
+        if outs is not None and self.plan.family == NUMPY:
+            # a table the caller's memory still holds, which an out would overwrite as it is read
+            cos, sin = (
+                t.copy() if any(np.may_share_memory(o, t) for o in outs) else t for t in (cos, sin)
+            )
+        return self.plan.run_given(xs, cos, sin, self.idx, inverse, outs)
+
+
+# Prepared calls of NumPy arrays by the layout of every argument: a decode step's way.
+_prepared = Bounded(256)
+_NDARRAY = np.ndarray
+
+
+def _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend):
+    if type(cos) is not _NDARRAY or type(sin) is not _NDARRAY:
+        return None
+    key = [style, rotary_dim, head_axis, backend, cos.dtype, cos.shape, cos.strides, sin.dtype,
+           sin.shape, sin.strides]  # fmt: skip
+    for x in xs:
+        if type(x) is not _NDARRAY:
+            return None
+        key += (x.dtype, x.shape, x.strides, x.flags.num)
+    if outs is not None:
+        for out in outs:
+            if type(out) is not _NDARRAY:
+                return None
+            same = [j for j, x in enumerate(xs) if out is x]
+            key += (same[0],) if same else (out.dtype, out.shape, out.strides, out.flags.num)
+    return tuple(key)
+
+
 def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
     """The rotated ``xs`` (one operand, or q and k) by the caller's tables; see
     ``arrayrope.apply_cos_sin``."""
+    if inverse is not False and inverse is not True:
+        inverse = check_inverse(inverse)
+    key = _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend)
+    if key is not None:
+        try:
+            prepared = _prepared.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            prepared = key = None
+        if prepared is not None:
+            results = prepared.run(xs, cos, sin, inverse, outs)
+            return tuple(outs) if outs is not None else results
     style = style_arg(style)
-    inverse = check_inverse(inverse)
     if _torch_traced(xs, cos, sin, outs):
         from . import _torch_given
 
@@ -185,23 +240,19 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
     _positions.with_axes(probe, 1, [a.shape[:-1] for a in xs], "cos")
     spec = _spec(d, rotary_dim, style)
     kind = _positions.ARRAY
-    key = (spec,) + _dispatch.plan_key(xs, kind, probe, native_outs, backend)
-    plan = _plans.get(key)
+    plan_key = (spec,) + _dispatch.plan_key(xs, kind, probe, native_outs, backend)
+    plan = _plans.get(plan_key)
     if plan is None:
         engine = _Caller(spec)
         family, backend = _plan.checked(engine, xs, native_outs, kind, probe, backend)
-        plan = _plans.put(key, GivenPlan(engine, xs, native_outs, kind, backend, family))
-    cos = _table("cos", cos, x, rotary_dim, style)
-    sin = _table("sin", sin, x, rotary_dim, style)
-    if native_outs is not None and plan.family == NUMPY:
-        # a table the caller's memory still holds, which an out would overwrite as it is read
-        cos, sin = (
-            t.copy() if any(np.may_share_memory(o, t) for o in native_outs) else t
-            for t in (cos, sin)
-        )
-    idx = plan.xp.arange(cos.shape[0], dtype=np.int64).reshape(lead + (1,))
+        plan = _plans.put(plan_key, GivenPlan(engine, xs, native_outs, kind, backend, family))
+    rows = int(np.prod(cos.shape[:-1], dtype=np.int64))
+    idx = plan.xp.arange(rows, dtype=np.int64).reshape(lead + (1,))
+    prepared = _Prepared(plan, idx, rotary_dim, style, _arrays.compute_dtype(x.dtype))
+    if key is not None:
+        _prepared.put(key, prepared)
     with _interop.framework_stream(given):
-        results = plan.run_given(xs, cos, sin, idx, inverse, native_outs)
+        results = prepared.run(xs, cos, sin, inverse, native_outs)
     if outs is not None:
         return tuple(outs)  # written through their shared memory
     return tuple(r if back is None else back(r) for r, back in zip(results, restores))
