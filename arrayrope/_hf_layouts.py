@@ -52,7 +52,6 @@ MROPE_FAMILIES = {
     "qwen2_vl_text": ((16, 24, 24), "contiguous"),
     "qwen2_5_vl_text": ((16, 24, 24), "contiguous"),
     "qwen2_5_omni_text": ((16, 24, 24), "contiguous"),
-    "qwen2_5_omni_thinker": ((16, 24, 24), "contiguous"),
     "paddleocr_vl_text": ((16, 24, 24), "contiguous"),
     "qwen3_vl_text": ((24, 20, 20), "interleaved"),
     "qwen3_vl_moe_text": ((24, 20, 20), "interleaved"),
