@@ -1,9 +1,8 @@
 """Rotary position embeddings on plain NumPy and CuPy arrays."""
 
 from . import scaling
-from ._api import rotate, rotate_qk
+from ._api import apply_cos_sin, apply_cos_sin_qk, rotate, rotate_qk
 from ._errors import BackendUnavailableError, RopeError, RopeTypeError, RopeValueError
-from ._given import apply_cos_sin, apply_cos_sin_qk
 from ._warmup import warmup
 from .rope import RoPE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _interop, _registry
+from . import _arrays, _given, _interop, _registry
 from ._cache import Bounded
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
@@ -210,3 +210,149 @@ def rotate_qk(
         return rope.rotate_qk(q, k, pos, inverse=inverse, out=out, head_axis=head_axis,
                               backend=backend, seq_len=seq_len)  # fmt: skip
     return rope._engine.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
+
+
+def _native(name, a, written=False):
+    """(NumPy or CuPy view of ``a``, the function that hands a result back as ``a``'s type or
+    None for a native array)."""
+    if _arrays.family(a):
+        return a, None
+    native, back, read_only = _interop.adopt(name, a, written)
+    if written and read_only:
+        raise RopeValueError(
+            f"{name} is read-only ({_arrays.describe(a)}); rotate into a writable array, or "
+            "leave out unset"
+        )
+    return native, back
+
+
+def _torch_traced(xs, cos, sin, outs):
+    """Whether a call on torch tensors must go through the operator (``_torch_given``): torch
+    traces, transforms or records it, for x, k, the tables or the outs."""
+    if type(xs[0]).__module__[:5] != "torch":
+        return False
+    k = xs[1] if len(xs) == 2 else None
+    return _interop.torch_ops_wanted(xs[0], cos, outs, k) or _interop.torch_ops_wanted(
+        xs[0], sin, None
+    )
+
+
+def _apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
+    """apply_cos_sin's one path: NumPy and CuPy arrays to the kernels (``_given.run``); torch
+    tensors torch traces or differentiates, and traced JAX arrays, to their operators; other
+    arrays viewed as NumPy or CuPy and handed back as their own type."""
+    given = xs + (cos, sin) + (outs or ())
+    if all(_arrays.family(a) for a in given):
+        return _given.run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend,
+                          names)  # fmt: skip
+    if _torch_traced(xs, cos, sin, outs):
+        from . import _torch_given
+
+        return _torch_given.apply_cos_sin(xs, cos, sin, style_arg(style), rotary_dim, inverse,
+                                          outs, head_axis, backend)  # fmt: skip
+    if _interop.jax_traced(*xs, cos, sin):
+        from . import _jax_given
+
+        return _jax_given.apply_cos_sin(xs, cos, sin, style_arg(style), rotary_dim, inverse,
+                                        outs, head_axis, backend)  # fmt: skip
+    xs, restores = zip(*(_native(name, a) for name, a in zip(names, xs)))
+    cos, sin = _native("cos", cos)[0], _native("sin", sin)[0]
+    native_outs = None
+    if outs is not None:
+        names_out = ("out",) if len(outs) == 1 else ("out[0]", "out[1]")
+        native_outs = tuple(_native(n, o, True)[0] for n, o in zip(names_out, outs))
+    with _interop.framework_stream(given):
+        results = _given.run(xs, cos, sin, style, rotary_dim, inverse, native_outs, head_axis,
+                             backend, names)  # fmt: skip
+    if outs is not None:
+        return tuple(outs)  # written through their shared memory
+    return tuple(r if back is None else back(r) for r, back in zip(results, restores))
+
+
+@filled
+def apply_cos_sin(
+    x: Array,
+    cos: Array,
+    sin: Array,
+    *,
+    style: str,
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: Array = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+) -> Array:
+    """Rotate ``x`` by cos and sin tables the caller computed: ``x * cos + rotate(x) * sin``
+    pair by pair, in the kernels of :func:`rotate`.
+
+    For tables from elsewhere: a reference model's own (transformers' ``position_embeddings``,
+    to match its logits bit for bit), learned or hand-made frequencies.
+
+    Parameters
+    ----------
+    {x}
+    {cos, sin}
+    {inverse of cos, sin}
+    {out}
+    {head_axis}
+    {backend}
+
+    Returns
+    -------
+    {returns}
+
+    Raises
+    ------
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, arrayrope as ar
+    >>> x = np.ones((2, 3, 4, 8), np.float32)                  # (B, H, T, d)
+    >>> angle = np.arange(4)[:, None] * 0.5 ** np.arange(4)    # (T, d/2)
+    >>> y = ar.apply_cos_sin(x, np.cos(angle), np.sin(angle), style="half")
+    >>> bool(np.allclose(y, ar.rotate(x, np.arange(4), base=16.0, style="half")))
+    True
+    """
+    return _apply((x,), cos, sin, style, rotary_dim, inverse, None if out is None else (out,),
+                 head_axis, backend, ("x",))[0]  # fmt: skip
+
+
+@filled
+def apply_cos_sin_qk(
+    q: Array,
+    k: Array,
+    cos: Array,
+    sin: Array,
+    *,
+    style: str,
+    rotary_dim: int | None = None,
+    inverse: bool = False,
+    out: tuple[Array, Array] | None = None,
+    head_axis: int | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array]:
+    """Rotate queries and keys by the same caller's tables, in one kernel launch for both:
+    :func:`apply_cos_sin` of each.
+
+    Parameters
+    ----------
+    {q, k}
+    {cos, sin}
+    {inverse of cos, sin}
+    {out of q, k}
+    {head_axis}
+    {backend}
+
+    Returns
+    -------
+    {returns of q, k}
+
+    Raises
+    ------
+    {raises}
+    """
+    if out is not None and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise RopeTypeError(f"out must be None or a pair (q_out, k_out), got {type(out).__name__}")
+    return _apply((q, k), cos, sin, style, rotary_dim, inverse, None if out is None else tuple(out),
+                 head_axis, backend, ("q", "k"))  # fmt: skip

@@ -1,5 +1,5 @@
-"""Rotation by cos and sin tables the caller gives (``apply_cos_sin``): the kernels of every
-other call, reading the caller's rows instead of arrayrope's.
+"""Rotation by cos and sin tables the caller gives (``apply_cos_sin``, in _api): the kernels of
+every other call, reading the caller's rows instead of arrayrope's, on NumPy and CuPy arrays.
 
 A table of shape C + (w,) holds one row per entry of C, which broadcasts against x's leading
 shape as positions do; each x row reads its entry's row, so the kernels see an int64 index per
@@ -8,14 +8,11 @@ each pair's value at both of its features) or half of it (one value per pair, as
 vLLM and FlashInfer keep them).
 """
 
-from typing import Any
-
 import numpy as np
 
-from . import _arrays, _dispatch, _interop, _plan, _positions
+from . import _arrays, _dispatch, _plan, _positions
 from ._arrays import CUPY, NUMPY
 from ._cache import Bounded
-from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
 from ._spec import Spec, check_inverse, frozen, int_arg, segments, style_arg, with_head_axis
 
@@ -115,41 +112,14 @@ def _table(name, t, x, rotary_dim, style):
     return xp.ascontiguousarray(t.reshape(-1, pairs), dtype=dtype)
 
 
-def _native(name, a, written=False):
-    """(NumPy or CuPy view of ``a``, the function that hands a result back as ``a``'s type or
-    None for a native array)."""
-    if _arrays.family(a):
-        return a, None
-    native, back, read_only = _interop.adopt(name, a, written)
-    if written and read_only:
-        raise RopeValueError(
-            f"{name} is read-only ({_arrays.describe(a)}); rotate into a writable array, or "
-            "leave out unset"
-        )
-    return native, back
-
-
-def _torch_traced(xs, cos, sin, outs):
-    """Whether a call on torch tensors must go through the operator (``_torch_given``): torch
-    traces, transforms or records it, for x, k, the tables or the outs."""
-    if type(xs[0]).__module__[:5] != "torch":
-        return False
-    k = xs[1] if len(xs) == 2 else None
-    return _interop.torch_ops_wanted(xs[0], cos, outs, k) or _interop.torch_ops_wanted(
-        xs[0], sin, None
-    )
-
-
 class _Prepared:
     """A call whose layout has been checked and planned: what each call of that layout still
     does (the tables' rows, the overlap of outs with them, the launch)."""
 
-    __slots__ = ("plan", "idx", "rotary_dim", "style", "dtype")
+    __slots__ = ("plan", "idx", "rotary_dim", "style")
 
-    def __init__(self, plan, idx, rotary_dim, style, dtype):
-        self.plan, self.idx, self.rotary_dim, self.style, self.dtype = (
-            plan, idx, rotary_dim, style, dtype
-        )  # fmt: skip
+    def __init__(self, plan, idx, rotary_dim, style):
+        self.plan, self.idx, self.rotary_dim, self.style = plan, idx, rotary_dim, style
 
     def run(self, xs, cos, sin, inverse, outs):
         cos = _table("cos", cos, xs[0], self.rotary_dim, self.style)
@@ -159,7 +129,8 @@ class _Prepared:
             cos, sin = (
                 t.copy() if any(np.may_share_memory(o, t) for o in outs) else t for t in (cos, sin)
             )
-        return self.plan.run_given(xs, cos, sin, self.idx, inverse, outs)
+        results = self.plan.run_given(xs, cos, sin, self.idx, inverse, outs)
+        return tuple(outs) if outs is not None else results
 
 
 # Prepared calls of NumPy arrays by the layout of every argument: a decode step's way.
@@ -185,9 +156,9 @@ def _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend):
     return tuple(key)
 
 
-def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
-    """The rotated ``xs`` (one operand, or q and k) by the caller's tables; see
-    ``arrayrope.apply_cos_sin``."""
+def run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
+    """The rotated ``xs`` (NumPy or CuPy: one operand, or q and k) by the native tables ``cos``
+    and ``sin``, into ``outs`` where given; see ``arrayrope.apply_cos_sin``."""
     if inverse is not False and inverse is not True:
         inverse = check_inverse(inverse)
     key = _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend)
@@ -197,26 +168,8 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
         except TypeError:  # an unhashable argument: the checks below name it
             prepared = key = None
         if prepared is not None:
-            results = prepared.run(xs, cos, sin, inverse, outs)
-            return tuple(outs) if outs is not None else results
+            return prepared.run(xs, cos, sin, inverse, outs)
     style = style_arg(style)
-    if _torch_traced(xs, cos, sin, outs):
-        from . import _torch_given
-
-        return _torch_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
-                                          head_axis, backend)  # fmt: skip
-    if _interop.jax_traced(*xs, cos, sin):
-        from . import _jax_given
-
-        return _jax_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
-                                        head_axis, backend)  # fmt: skip
-    given = xs + (cos, sin) + (outs or ())
-    xs, restores = zip(*(_native(name, a) for name, a in zip(names, xs)))
-    cos, sin = _native("cos", cos)[0], _native("sin", sin)[0]
-    native_outs = None
-    if outs is not None:
-        names_out = ("out",) if len(outs) == 1 else ("out[0]", "out[1]")
-        native_outs = tuple(_native(n, o, True)[0] for n, o in zip(names_out, outs))
     x = xs[0]
     _arrays.check_float(names[0], x, x.shape[-1] if x.ndim else 0)
     d = x.shape[-1]
@@ -225,6 +178,12 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
     rotary_dim = d if rotary_dim is None else int_arg("rotary_dim", rotary_dim, minimum=2)
     if rotary_dim % 2 or rotary_dim > d:
         raise RopeValueError(f"rotary_dim must be even and <= head_dim ({d}), got {rotary_dim}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if _arrays.family(t) != _arrays.family(x):
+            raise RopeTypeError(
+                f"{name} must be an array of x's kind ({_arrays.describe(x)}), got "
+                f"{_arrays.describe(t)}"
+            )
     if cos.shape != sin.shape:
         raise RopeValueError(f"cos and sin must have one shape, got {cos.shape} and {sin.shape}")
     if cos.ndim == 0 or cos.shape[-1] not in (rotary_dim, rotary_dim // 2):
@@ -240,108 +199,15 @@ def apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, na
     _positions.with_axes(probe, 1, [a.shape[:-1] for a in xs], "cos")
     spec = _spec(d, rotary_dim, style)
     kind = _positions.ARRAY
-    plan_key = (spec,) + _dispatch.plan_key(xs, kind, probe, native_outs, backend)
+    plan_key = (spec,) + _dispatch.plan_key(xs, kind, probe, outs, backend)
     plan = _plans.get(plan_key)
     if plan is None:
         engine = _Caller(spec)
-        family, backend = _plan.checked(engine, xs, native_outs, kind, probe, backend)
-        plan = _plans.put(plan_key, GivenPlan(engine, xs, native_outs, kind, backend, family))
+        family, backend = _plan.checked(engine, xs, outs, kind, probe, backend)
+        plan = _plans.put(plan_key, GivenPlan(engine, xs, outs, kind, backend, family))
     rows = int(np.prod(cos.shape[:-1], dtype=np.int64))
     idx = plan.xp.arange(rows, dtype=np.int64).reshape(lead + (1,))
-    prepared = _Prepared(plan, idx, rotary_dim, style, _arrays.compute_dtype(x.dtype))
+    prepared = _Prepared(plan, idx, rotary_dim, style)
     if key is not None:
         _prepared.put(key, prepared)
-    with _interop.framework_stream(given):
-        results = prepared.run(xs, cos, sin, inverse, native_outs)
-    if outs is not None:
-        return tuple(outs)  # written through their shared memory
-    return tuple(r if back is None else back(r) for r, back in zip(results, restores))
-
-
-@filled
-def apply_cos_sin(
-    x: Any,
-    cos: Any,
-    sin: Any,
-    *,
-    style: str,
-    rotary_dim: int | None = None,
-    inverse: bool = False,
-    out: Any = None,
-    head_axis: int | None = None,
-    backend: str = "auto",
-) -> Any:
-    """Rotate ``x`` by cos and sin tables the caller computed: ``x * cos + rotate(x) * sin``
-    pair by pair, in the kernels of :func:`rotate`.
-
-    For tables from elsewhere: a reference model's own (transformers' ``position_embeddings``,
-    to match its logits bit for bit), learned or hand-made frequencies.
-
-    Parameters
-    ----------
-    {x}
-    {cos, sin}
-    {inverse of cos, sin}
-    {out}
-    {head_axis}
-    {backend}
-
-    Returns
-    -------
-    {returns}
-
-    Raises
-    ------
-    {raises}
-
-    Examples
-    --------
-    >>> import numpy as np, arrayrope as ar
-    >>> x = np.ones((2, 3, 4, 8), np.float32)                  # (B, H, T, d)
-    >>> angle = np.arange(4)[:, None] * 0.5 ** np.arange(4)    # (T, d/2)
-    >>> y = ar.apply_cos_sin(x, np.cos(angle), np.sin(angle), style="half")
-    >>> bool(np.allclose(y, ar.rotate(x, np.arange(4), base=16.0, style="half")))
-    True
-    """
-    return apply((x,), cos, sin, style, rotary_dim, inverse, None if out is None else (out,),
-                 head_axis, backend, ("x",))[0]  # fmt: skip
-
-
-@filled
-def apply_cos_sin_qk(
-    q: Any,
-    k: Any,
-    cos: Any,
-    sin: Any,
-    *,
-    style: str,
-    rotary_dim: int | None = None,
-    inverse: bool = False,
-    out: tuple[Any, Any] | None = None,
-    head_axis: int | None = None,
-    backend: str = "auto",
-) -> tuple[Any, Any]:
-    """Rotate queries and keys by the same caller's tables, in one kernel launch for both:
-    :func:`apply_cos_sin` of each.
-
-    Parameters
-    ----------
-    {q, k}
-    {cos, sin}
-    {inverse of cos, sin}
-    {out of q, k}
-    {head_axis}
-    {backend}
-
-    Returns
-    -------
-    {returns of q, k}
-
-    Raises
-    ------
-    {raises}
-    """
-    if out is not None and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise RopeTypeError(f"out must be None or a pair (q_out, k_out), got {type(out).__name__}")
-    return apply((q, k), cos, sin, style, rotary_dim, inverse, None if out is None else tuple(out),
-                 head_axis, backend, ("q", "k"))  # fmt: skip
+    return prepared.run(xs, cos, sin, inverse, outs)

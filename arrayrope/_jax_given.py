@@ -37,7 +37,7 @@ def _with(call, **changes):
 
 def _rotate(x, cos, sin, out, call):
     style, rotary_dim, inverse, head_axis, backend, _ = _entry(call)
-    _given.apply((x,), cos, sin, style, rotary_dim, inverse, (out,), head_axis, backend, ("x",))
+    _given.run((x,), cos, sin, style, rotary_dim, inverse, (out,), head_axis, backend, ("x",))
 
 
 def _run(args, rets, entry):

@@ -22,7 +22,7 @@ _SCHEMA = (
 
 def _kernel(x, cos, sin, style, rotary_dim, inverse, head_axis, backend):
     out = _new(x)
-    _given.apply(
+    _given.run(
         (_native(x),), _native(cos, "cos"), _native(sin, "sin"), style, rotary_dim, inverse,
         (_native(out, "out", True),), head_axis, backend, ("x",),
     )  # fmt: skip
