@@ -1,0 +1,193 @@
+"""Reading a Hugging Face config: its fields as a dict (from a dict, a config.json, a model folder
+or a config object), the part of a composite config and the layer type asked for, and the head
+size transformers' rotary modules read. _hf_config builds the RoPE from what this reads."""
+
+import json
+import os
+
+from ._errors import RopeTypeError, RopeValueError
+
+# Other names of the fields read here (the GPT-2 lineage: GPT-J, CodeGen; vision towers'
+# num_heads), as transformers' config classes map them (attribute_map).
+_FIELD_ALIASES = {
+    "hidden_size": ("n_embd", "d_model"),
+    "num_attention_heads": ("n_head", "num_heads"),
+    "max_position_embeddings": ("n_positions",),
+}
+# Every field this module reads from a config: read from an object by attribute, so that its
+# class's aliases and defaults apply.
+_FIELDS = (
+    "model_type",
+    "rope_theta",
+    "rotary_emb_base",
+    "rope_scaling",
+    "rope_parameters",
+    "head_dim",
+    "qk_rope_head_dim",
+    "hidden_size",
+    "num_attention_heads",
+    "partial_rotary_factor",
+    "rotary_pct",
+    "rotary_dim",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+    "rope_interleave",
+    "layer_types",
+)
+# The parts of a composite config (vision-language, speech) that may hold a RoPE.
+PARTS = ("text", "vision", "audio")
+
+
+def fields(config):
+    """The config's fields as a dict: from a dict, a config.json (or a model folder holding
+    one), or an object (a transformers config: its fields read through its attributes)."""
+    if isinstance(config, dict):
+        return _canonical(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(path) as f:
+                return _canonical(json.load(f))
+        except OSError as error:
+            raise RopeValueError(f"config path {str(path)!r} cannot be read: {error}") from None
+        except json.JSONDecodeError as error:
+            raise RopeValueError(f"config file {str(path)!r} is not JSON: {error}") from None
+    if hasattr(config, "to_dict") or hasattr(config, "__dict__"):
+        fields = dict(config.to_dict()) if hasattr(config, "to_dict") else {}
+        if not fields:
+            fields = {k: v for k, v in vars(config).items() if not k.startswith("_")}
+        for name in _FIELDS:
+            try:
+                value = getattr(config, name)
+            except Exception:  # noqa: BLE001 - per-layer configs raise for global reads
+                continue
+            if value is not None:
+                fields[name] = value
+        return _canonical(fields)
+    raise RopeTypeError(
+        f"config must be a dict, a path to config.json or a model folder, or an object with "
+        f"attributes, got {type(config).__name__}"
+    )
+
+
+def _canonical(cfg):
+    """``cfg`` with the current names of aliased fields; two names that disagree are an
+    error."""
+    for name, aliases in _FIELD_ALIASES.items():
+        for alias in aliases:
+            value = cfg.get(alias)
+            if value is None:
+                continue
+            if cfg.get(name) is not None and cfg[name] != value:
+                raise RopeValueError(
+                    f"config has {name}={cfg[name]!r} and {alias}={value!r}, which disagree"
+                )
+            cfg[name] = value
+    return cfg
+
+
+def _has_rope(cfg):
+    return any(cfg.get(k) is not None for k in ("rope_parameters", "rope_scaling", "rope_theta"))
+
+
+def part_of(cfg, part):
+    """The fields of the part of a composite config that holds the RoPE asked for: the config
+    itself where it has RoPE fields and no part was named, else its ``{part}_config``."""
+    if part is not None and part not in PARTS:
+        raise RopeValueError(f"part must be one of {', '.join(map(repr, PARTS))}, got {part!r}")
+    if part is None and _has_rope(cfg):
+        return cfg
+    sub = cfg.get(f"{part or 'text'}_config")
+    if sub is None:
+        if part is None:
+            return cfg  # no RoPE fields at all: the family's defaults, or an error below
+        raise RopeValueError(f"config of model_type {cfg.get('model_type')!r} has no {part}_config")
+    sub = fields(sub)
+    sub.setdefault("model_type", f"{cfg.get('model_type')}_{part or 'text'}")
+    return sub
+
+
+def nested(cfg):
+    """{layer type: its rope parameters (None for a layer without RoPE)} where the config
+    keeps one set per layer type (every value a mapping), else None; in the order of the
+    config's layer_types."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if not isinstance(params, dict) or not params:
+        return None
+    if not all(v is None or isinstance(v, dict) for v in params.values()):
+        return None
+    used = [k for k in dict.fromkeys(cfg.get("layer_types") or []) if k in params]
+    return {k: params[k] for k in used + [k for k in params if k not in used]}
+
+
+def layer(cfg, layer_type):
+    """(fields with the layer type's overrides, its flat rope parameters)."""
+    per_type = nested(cfg)
+    if per_type is None:
+        if layer_type is not None and layer_type not in (cfg.get("layer_types") or []):
+            raise RopeValueError(
+                f"layer_type {layer_type!r} is not a layer type of this config "
+                f"(layer_types: {sorted(set(cfg.get('layer_types') or [])) or 'none'})"
+            )
+        params = cfg.get("rope_parameters")
+        scaling = cfg.get("rope_scaling")
+        if scaling and params and scaling != params:
+            raise RopeValueError(
+                "config has both rope_scaling and rope_parameters, and they differ"
+            )
+        params = params or scaling or {}
+        if not isinstance(params, dict):
+            raise RopeTypeError("rope_scaling / rope_parameters must be a mapping")
+        return cfg, dict(params)
+    if layer_type is None:
+        raise RopeValueError(
+            f"config has one RoPE per layer type ({', '.join(per_type)}): pass layer_type= one "
+            "of them, or use RoPE.from_hf_layers for all"
+        )
+    if layer_type not in per_type:
+        raise RopeValueError(
+            f"layer_type must be one of {', '.join(map(repr, per_type))}, got {layer_type!r}"
+        )
+    params = per_type[layer_type]
+    if params is None:
+        raise RopeValueError(f"layer type {layer_type!r} of this config has no RoPE")
+    overrides = _layer_overrides(cfg, layer_type)
+    return {**cfg, **overrides}, dict(params)
+
+
+def _layer_overrides(cfg, layer_type):
+    """The per-layer fields (a heterogeneous config's per_layer_config, keyed by layer index)
+    of the layers of ``layer_type``; the head sizes they give must agree."""
+    per_layer = {
+        int(k): v for k, v in (cfg.get("per_layer_config") or {}).items() if str(k).isdigit()
+    }
+    found, sizes = None, set()
+    for index, kind in enumerate(cfg.get("layer_types") or []):
+        if kind == layer_type:
+            overrides = per_layer.get(index) or {}
+            sizes.add(head_dim({**cfg, **overrides}))
+            found = overrides if found is None else found
+    if len(sizes) > 1:
+        raise RopeValueError(
+            f"layers of type {layer_type!r} have different head sizes {sorted(sizes)}"
+        )
+    return found or {}
+
+
+def need(cfg, key, where="config"):
+    value = cfg.get(key)
+    if value is None:
+        raise RopeValueError(f"{where} has no {key!r}, which this rope type needs")
+    return value
+
+
+def head_dim(cfg):
+    """The head size transformers' rotary module reads: head_dim, else hidden_size //
+    num_attention_heads (floored, as the family's projections are)."""
+    for name in ("head_dim", "hidden_size", "num_attention_heads"):
+        value = cfg.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RopeTypeError(f"{name} must be an int, got {value!r}")
+    if cfg.get("head_dim") is not None:
+        return cfg["head_dim"]
+    return need(cfg, "hidden_size") // need(cfg, "num_attention_heads")
