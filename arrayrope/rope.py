@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _constructors
+from . import _constructors, _kv_cache
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._docs import filled
@@ -180,6 +180,7 @@ class RoPE:
     sectioned = classmethod(_constructors.sectioned)
     from_hf_config = classmethod(_constructors.from_hf_config)
     from_hf_layers = classmethod(_constructors.from_hf_layers)
+    rotate_into_cache = _kv_cache.rotate_into_cache
 
     def __reduce__(self):
         # The configuration only, and one RoPE per configuration per process on the way back:

@@ -22,20 +22,22 @@ from . import (
     _decode,
     _direct,
     _disk_cache,
+    _fused,
     _gather,
     _parallel,
     _rows,
     _runs,
 )
 from ._config import HARDWARE_F16, STREAMING, threads_usable
+from ._fused import launch as launch_fused
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, VECTOR
 from ._rows_plan import rows_plan
 
-_disk_cache.guard(_angles, _convert, _decode, _direct, _gather, _parallel, _rows, _runs)
+_disk_cache.guard(_angles, _convert, _decode, _direct, _fused, _gather, _parallel, _rows, _runs)
 
-__all__ = ["launch", "launch_filled", "rows_plan"]
+__all__ = ["launch", "launch_filled", "launch_fused", "rows_plan"]
 
 _F16 = np.dtype(np.float16)
 

@@ -1,0 +1,264 @@
+"""RoPE.rotate_into_cache: the step of an inference loop from the projections to a paged KV
+cache in one pass (the CPU kernel in backends/cpu/_fused).
+
+Every check comes before the launch, so that nothing is written on a refusal: shapes and dtypes,
+the cache layout, slots in range and each used once (two tokens in one slot would race), and no
+cache, q, k, v or result in another's memory. Table rows: integer positions inside the cache
+read it; others (past it, real-valued, multi-axis) get one row per token, made for the call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _arrays, _positions
+from ._arrays import NUMPY
+from ._docs import filled
+from ._errors import RopeTypeError, RopeValueError
+
+LAYOUTS = ("NHD", "HND")
+
+
+def _fp8(dtype):
+    return dtype.name == "float8_e4m3fn"  # ml_dtypes' type: never imported here
+
+
+def _operand(name, a, shape, dtype, written=False):
+    if _arrays.family(a) != NUMPY:
+        raise RopeTypeError(
+            f"{name} must be a NumPy array (rotate_into_cache runs on the CPU), got "
+            f"{_arrays.describe(a)}"
+        )
+    if a.shape != shape:
+        raise RopeValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if a.dtype != dtype:
+        raise RopeTypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
+    if written and not a.flags.writeable:
+        raise RopeValueError(f"{name} is read-only")
+    if written and not _arrays.addressable(a, NUMPY):
+        raise RopeValueError(
+            f"{name} must have a contiguous feature axis and element-aligned strides, got "
+            f"strides {a.strides}"
+        )
+
+
+def _weights(name, w, d):
+    if w is None:
+        return np.empty(0, np.float64)
+    w = np.asarray(w)
+    if w.shape != (d,) or w.dtype.kind != "f":
+        raise RopeValueError(
+            f"{name} must be a float array of shape ({d},), got {w.dtype} {w.shape}"
+        )
+    return w
+
+
+def _scale(name, value, cache):
+    if value is None:
+        return 1.0
+    if not _fp8(cache.dtype):
+        raise RopeValueError(
+            f"{name} scales a float8 cache, and this cache is {cache.dtype}: leave it unset"
+        )
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RopeTypeError(f"{name} must be a number, got {value!r}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise RopeValueError(f"{name} must be finite and > 0, got {value!r}")
+    return number
+
+
+def _slots(slots, n, capacity):
+    """The slots, checked: integers, one per token, below the cache's capacity, each used once
+    (a negative slot skips its token)."""
+    slots = np.asarray(slots)
+    if slots.dtype.kind not in "iu":
+        raise RopeTypeError(f"slots must hold integers, got dtype {slots.dtype}")
+    if slots.shape != (n,):
+        raise RopeValueError(f"slots must have shape ({n},), one per token, got {slots.shape}")
+    slots = slots.astype(np.int64)
+    used = slots[slots >= 0]
+    if used.size and used.max() >= capacity:
+        raise RopeValueError(
+            f"slots must be below the cache's num_blocks * block_size ({capacity}), got "
+            f"{int(used.max())}"
+        )
+    unique, counts = np.unique(used, return_counts=True)
+    if (counts > 1).any():
+        raise RopeValueError(
+            f"slots must be distinct (two tokens in one slot would race), got slot "
+            f"{int(unique[counts > 1][0])} {int(counts[counts > 1][0])} times"
+        )
+    return slots
+
+
+def _overlaps(named):
+    """Raise where two of the arrays read or written share memory (out may be q: in place)."""
+    items = list(named.items())
+    for i, (a_name, a) in enumerate(items):
+        for b_name, b in items[i + 1 :]:
+            if not (a.size and b.size):
+                continue
+            kind = _arrays.overlap_kind(a, b, NUMPY)
+            if kind == "none" or kind == "same" and {a_name, b_name} == {"q", "out"}:
+                continue
+            raise RopeValueError(f"{a_name} and {b_name} share memory")
+
+
+def _rows(rope, pos, n, dtype):
+    """(cos, sin, rows): the tables and each token's row in them."""
+    spec = rope._spec
+    kind, value = _positions.resolve(pos, spec.n_axes)
+    if kind == _positions.NONE:
+        raise RopeValueError("pos is required: one position per token")
+    if kind == _positions.INT:
+        value = np.full((n,) + ((spec.n_axes,) if spec.n_axes > 1 else ()), value)
+    values = _positions.with_axes(np.asarray(value), spec.n_axes, [(n,)])
+    values = np.broadcast_to(values, (n, spec.n_axes))
+    values, is_int, high = _positions.check_values(np.ascontiguousarray(values))
+    seq_len = _positions.seq_len_for(spec.dynamic, None, high)
+    tables = rope._engine.freq_set(seq_len).tables
+    if is_int and spec.n_axes == 1:
+        cached = tables.cached(np, None, dtype, int(high))
+        if cached is not None:
+            return cached[0], cached[1], values[:, 0].astype(np.int64)
+    if is_int:
+        from ._tables import checked_rows
+
+        cos, sin = checked_rows(tables, dtype, values)
+    else:
+        cos, sin = tables.exact(np, dtype, values.astype(np.float64))
+    return cos, sin, np.arange(n, dtype=np.int64)
+
+
+@filled
+def rotate_into_cache(
+    self,
+    q,
+    k,
+    v,
+    pos,
+    k_cache,
+    v_cache,
+    slots,
+    *,
+    out=None,
+    cache_layout: str = "NHD",
+    q_norm=None,
+    k_norm=None,
+    norm_eps: float = 1e-6,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+):
+    """One step of an inference loop in one pass: q rotated, k rotated into the key cache and v
+    copied into the value cache at each token's slot, each read once.
+
+    ``k_cache[slot] = R(pos) norm(k)``, ``v_cache[slot] = v`` and the result is
+    ``R(pos) norm(q)``, for every head of every token; norm is the identity without weights.
+
+    Parameters
+    ----------
+    q : array, shape (N, Hq, head_dim)
+        N tokens of any batch, float16, bfloat16, float32 or float64, any strides (a view of a
+        fused QKV projection works).
+    k, v : arrays, shape (N, Hkv, head_dim)
+        q's dtype.
+    pos : int or array, shape (N,) (or (N, n_axes) for a multi-axis RoPE)
+        Each token's position: integers or reals, as for :meth:`rotate`.
+    k_cache, v_cache : arrays
+        Paged caches, (num_blocks, block_size, Hkv, head_dim) for ``cache_layout="NHD"`` or
+        (num_blocks, Hkv, block_size, head_dim) for ``"HND"`` (a contiguous (B, Hkv, T_max,
+        head_dim) cache is HND with block_size T_max). Of k's dtype, or float8 e4m3fn
+        (``ml_dtypes.float8_e4m3fn``). Written in place.
+    slots : int array, shape (N,)
+        Each token's cache slot, block * block_size + offset; a negative slot skips the token
+        (padding): its q is rotated, nothing is cached.
+    out : array like q, optional
+        Where to write the rotated q; ``out=q`` rotates it in place.
+    cache_layout : {"NHD", "HND"}
+    q_norm, k_norm : float arrays, shape (head_dim,), optional
+        RMSNorm weights: each head of q (k) is normalized before its rotation, ``x /
+        sqrt(mean(x**2) + norm_eps) * weight``, accumulated in float32 (float64 for float64):
+        the QK-norm of Qwen3, Gemma 3 and OLMo 2.
+    norm_eps : float
+    k_scale, v_scale : float, optional
+        For a float8 cache: values are divided by the scale, rounded once and saturated at the
+        format's largest value (448).
+
+    Returns
+    -------
+    array
+        ``out``, or a new array of q's shape and dtype.
+
+    Raises
+    ------
+    RopeValueError, RopeTypeError
+        Bad input, named in the message with its value: shapes, dtypes, a layout, slots out
+        of range or used twice, arrays that share memory. Nothing is written.
+    """
+    from .backends import cpu
+
+    spec = self._spec
+    d = spec.head_dim
+    if _arrays.family(q) != NUMPY or getattr(q, "ndim", 0) != 3:
+        raise RopeValueError(
+            f"q must be a NumPy array of shape (N, Hq, head_dim), got "
+            f"{getattr(q, 'shape', _arrays.describe(q))}"
+        )
+    _arrays.check_float("q", q, d)
+    n, hq, _ = q.shape
+    if _arrays.family(k) != NUMPY or getattr(k, "ndim", 0) != 3:
+        raise RopeValueError(f"k must be a NumPy array of shape (N, Hkv, head_dim), got {k!r:.80}")
+    hkv = k.shape[1]
+    _operand("k", k, (n, hkv, d), q.dtype)
+    _operand("v", v, (n, hkv, d), q.dtype)
+    if cache_layout not in LAYOUTS:
+        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
+    if _arrays.family(k_cache) != NUMPY or getattr(k_cache, "ndim", 0) != 4:
+        axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
+        raise RopeValueError(
+            f"k_cache must be a NumPy array (num_blocks, {axes}, head_dim), got "
+            f"{getattr(k_cache, 'shape', _arrays.describe(k_cache))}"
+        )
+    block = k_cache.shape[1] if cache_layout == "NHD" else k_cache.shape[2]
+    heads_axis = 2 if cache_layout == "NHD" else 1
+    if k_cache.shape[heads_axis] != hkv or k_cache.shape[3] != d:
+        raise RopeValueError(
+            f"k_cache of shape {k_cache.shape} ({cache_layout}) must hold Hkv={hkv} heads of "
+            f"head_dim={d}"
+        )
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (cache.dtype == q.dtype or _fp8(getattr(cache, "dtype", q.dtype))):
+            raise RopeTypeError(
+                f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
+            )
+        _operand(name, cache, k_cache.shape, cache.dtype, written=True)
+    if out is None:
+        out = np.empty(q.shape, q.dtype)
+    else:
+        _operand("out", out, q.shape, q.dtype, written=True)
+    q_weight = _weights("q_norm", q_norm, d)
+    k_weight = _weights("k_norm", k_norm, d)
+    eps = float(norm_eps)
+    if not (math.isfinite(eps) and eps >= 0):
+        raise RopeValueError(f"norm_eps must be finite and >= 0, got {norm_eps!r}")
+    k_multiplier = 1.0 / _scale("k_scale", k_scale, k_cache)
+    v_multiplier = 1.0 / _scale("v_scale", v_scale, v_cache)
+    slots = _slots(slots, n, k_cache.shape[0] * block)
+    _overlaps({"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "out": out})
+    dtype = _arrays.compute_dtype(q.dtype)
+    if n == 0:
+        return out
+    cos, sin, rows = _rows(self, pos, n, dtype)
+    q_weight = q_weight.astype(dtype)
+    k_weight = k_weight.astype(dtype)
+    # inputs the kernel cannot address as they are go through a copy
+    q, k, v = (a if _arrays.addressable(a, NUMPY) else a.copy() for a in (q, k, v))
+    cpu.launch_fused(
+        q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, cache_layout, spec,
+        q_weight, k_weight, dtype.type(eps), dtype.type(k_multiplier), dtype.type(v_multiplier),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,308 @@
+"""The fused step of an inference loop (``RoPE.rotate_into_cache``): for each token, q rotated
+into its result, k rotated into the key cache at the token's slot and v copied into the value
+cache there, each row read once; optionally each head RMS-normalized before its rotation, and
+the caches float8 (e4m3fn), stored divided by their scales and saturated.
+
+Operands are flat views with element strides (see the launcher in backends/cpu/__init__): q, k
+and v (token, head), the result (token, head), each cache (block, offset in block, head). A
+token's table row is ``rows[t]`` of cos and sin. Arithmetic is float32 (float64 for float64), the
+RMS accumulated in it, and every value is rounded once, at its store.
+"""
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .._geometry import flat_view
+from . import _config
+from ._config import DISK_CACHE, VECTOR_BYTES
+from ._convert import load, store
+from ._ladder import ladder
+from ._simd import copy_bytes
+
+# The vector steps of the direct path (see _direct), with plain stores: a cache row is read
+# again soon (by attention), and a result row is as likely to be.
+_WIDTHS = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
+_HALF_ROW = ladder(True, _WIDTHS, False)
+_PAIR_ROW = ladder(False, _WIDTHS, False)
+_COPY_64 = copy_bytes(False, 64)
+_COPY_16 = copy_bytes(False, 16)
+
+
+@intrinsic
+def _f32_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+_E4M3_MAX = np.uint32(0x7E)  # 448, the largest finite e4m3fn value
+_MAGIC = np.float32(2.0**23)
+
+
+@njit(inline="always")
+def to_e4m3(v):
+    """float32 ``v`` as float8 e4m3fn bits, rounded half to even and saturated at +-448; a nan
+    stays a nan."""
+    f = np.float32(v)
+    bits = _f32_bits(f)
+    sign = np.uint8((bits >> np.uint32(24)) & np.uint32(0x80))
+    mag = bits & np.uint32(0x7FFFFFFF)
+    if mag > np.uint32(0x7F800000):
+        return np.uint8(0x7F) | sign
+    if mag < np.uint32(0x3C800000):  # below 2**-6: a multiple of 2**-9, rounded through 2**23
+        scaled = abs(f) * np.float32(512.0)
+        return np.uint8(np.uint32((scaled + _MAGIC) - _MAGIC)) | sign
+    odd = (mag >> np.uint32(20)) & np.uint32(1)
+    rounded = (mag + np.uint32(0x7FFFF) + odd) >> np.uint32(20)  # 8 exponent, 3 mantissa bits
+    rebiased = rounded - np.uint32((127 - 7) << 3)
+    return np.uint8(min(rebiased, _E4M3_MAX)) | sign
+
+
+def put(a, i, v, multiplier):
+    """a[i] = v, stored as a's type: a float8 cache (uint8 bits) takes v * multiplier."""
+
+
+@overload(put)
+def _put_impl(a, i, v, multiplier):
+    if a.dtype == types.uint8:
+
+        def put_e4m3(a, i, v, multiplier):
+            a[i] = to_e4m3(v * multiplier)
+
+        return put_e4m3
+    return lambda a, i, v, multiplier: store(a, i, v)
+
+
+def _zero(x):
+    """Zero of the compute dtype of a view's elements: float64 for float64, else float32."""
+
+
+@overload(_zero)
+def _zero_impl(x):
+    if x.dtype == types.float64:
+        return lambda x: np.float64(0.0)
+    return lambda x: np.float32(0.0)
+
+
+@njit(inline="always")
+def _inverse_rms(x, d, weight, eps):
+    """1 / sqrt(mean(x^2) + eps) of a row (its view ``x``), in the compute dtype (every constant
+    is made of its zero, so nothing widens to float64); 1 without a weight (no norm)."""
+    zero = _zero(x)
+    one = zero + np.float32(1.0)
+    if weight.shape[0] == 0:
+        return one
+    total = zero
+    for j in range(d):
+        value = load(x, np.uint64(j))
+        total += value * value
+    return one / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
+
+
+@njit(inline="always")
+def _scaled(x, i, factor, weight):
+    """x[i] normalized: times the row's inverse RMS and the weight of feature i."""
+    value = load(x, i)
+    if weight.shape[0] == 0:
+        return value
+    return value * factor * weight[i]
+
+
+@njit(inline="always")
+def _row(x, o, d, rotary_dim, cos, sin, half_style, inverse, weight, eps, multiplier):
+    """One head's row: ``x`` normalized (where ``weight`` is not empty), its rotary part turned
+    by the table row (cos, sin), into ``o``; the tail copied (normalized)."""
+    factor = _inverse_rms(x, d, weight, eps)
+    n = rotary_dim // 2
+    h = np.uint64(n)
+    for j in range(n):
+        k = np.uint64(j)
+        c = cos[k]
+        s = -sin[k] if inverse else sin[k]
+        two_k = np.uint64(2) * k
+        ia, ib = (k, k + h) if half_style else (two_k, two_k + np.uint64(1))
+        a = _scaled(x, ia, factor, weight)
+        b = _scaled(x, ib, factor, weight)
+        put(o, ia, a * c - b * s, multiplier)
+        put(o, ib, b * c + a * s, multiplier)
+    for j in range(rotary_dim, d):
+        i = np.uint64(j)
+        put(o, i, _scaled(x, i, factor, weight), multiplier)
+
+
+@njit(inline="always")
+def _copy(x, o, d, multiplier):
+    for j in range(d):
+        i = np.uint64(j)
+        put(o, i, load(x, i), multiplier)
+
+
+@njit(inline="always")
+def _copy_rows(x, xr, o, orow, first, end):
+    """o[orow + first:orow + end] = x[xr + first:...], in 64-byte then 16-byte steps (the
+    launcher checks every row is a whole number of 16 bytes at 16-byte aligned stores)."""
+    step = np.uint64(64 // o.itemsize)
+    step_16 = np.uint64(16 // o.itemsize)
+    t = np.uint64(first)
+    end = np.uint64(end)
+    while t + step <= end:
+        _COPY_64(x, xr + t, o, orow + t)
+        t += step
+    while t < end:
+        _COPY_16(x, xr + t, o, orow + t)
+        t += step_16
+
+
+@njit(inline="always")
+def _vector_row(x, xr, o, orow, rotary_dim, d, cos, sin, tb, half_style, inverse):
+    """One head's row without a norm, of o's dtype, in vector steps: its rotary part turned by
+    the table row at flat offset ``tb``, its tail copied."""
+    n = np.uint64(rotary_dim)
+    if half_style:
+        _HALF_ROW(x, xr, o, orow, n, cos, sin, tb, inverse)
+    else:
+        _PAIR_ROW(x, xr, o, orow, n, cos, sin, tb, inverse)
+    if d > rotary_dim:
+        _copy_rows(x, xr, o, orow, rotary_dim, d)
+
+
+@njit(inline="always")
+def _token(
+    t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
+    vector,
+):  # fmt: skip
+    """Token t: each head of q into the result, and, unless its slot is negative (padding),
+    each head of k and v into the caches. ``vector``: bit 0, q's rows take the vector steps;
+    bit 1, k's and v's (see launch)."""
+    row = rows[t]
+    c, s = cos[row], sin[row]
+    tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
+    for head in range(hq):
+        xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
+        ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
+        if vector & 1:
+            _vector_row(q, xb, qo, ob, rotary_dim, d, cos, sin, tb, half_style, inverse)
+        else:
+            _row(q[xb:], qo[ob:], d, rotary_dim, c, s, half_style, inverse, q_weight, eps, 1.0)
+    slot = slots[t]
+    if slot < 0:
+        return
+    page, offset = slot // block, slot % block
+    for head in range(hkv):
+        kb = np.uint64(ks[0] + t * ks[1] + head * ks[2])
+        cb = np.uint64(kcs[0] + page * kcs[1] + offset * kcs[2] + head * kcs[3])
+        vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
+        vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
+        if vector & 2:
+            _vector_row(k, kb, kc, cb, rotary_dim, d, cos, sin, tb, half_style, inverse)
+            _copy_rows(v, vb, vc, vcb, 0, d)
+        else:
+            _row(k[kb:], kc[cb:], d, rotary_dim, c, s, half_style, inverse, k_weight, eps,
+                 k_multiplier)  # fmt: skip
+            _copy(v[vb:], vc[vcb:], d, v_multiplier)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def fused_range(
+    q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
+    vector, first, stop,
+):  # fmt: skip
+    """Tokens first..stop-1 on one thread. The int64 ``qs`` (and ``qos``, ``ks``, ``vs``) hold
+    the operand's element offset, token stride and head stride; the caches' ``kcs`` and
+    ``vcs`` the offset and the block, offset-in-block and head strides."""
+    for t in range(first, stop):
+        _token(
+            t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq,
+            hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier,
+            v_multiplier, vector,
+        )  # fmt: skip
+
+
+@njit(cache=DISK_CACHE, parallel=True)
+def fused_parallel(
+    q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
+    vector, tasks, total,
+):  # fmt: skip
+    """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads."""
+    for task in prange(tasks):
+        t = np.int64(task)
+        for token in range(total * t // tasks, total * (t + 1) // tasks):
+            _token(
+                token, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin,
+                block, hq, hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, eps,
+                k_multiplier, v_multiplier, vector,
+            )  # fmt: skip
+
+
+def _view(a):
+    """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8) and the
+    element offset of a[0, ..., 0] in it."""
+    flat, base = flat_view(a)
+    bits = np.uint8 if a.dtype.name == "float8_e4m3fn" else _BITS.get(a.dtype.name)
+    return (flat if bits is None else flat.view(bits)), base
+
+
+_BITS = {"float16": np.int16, "bfloat16": np.uint16}
+
+
+def _strides(a, base, axes):
+    """(base, the element strides of ``axes``) as the kernel's int64."""
+    return np.array([base] + [a.strides[i] // a.itemsize for i in axes], np.int64)
+
+
+def _vector(spec, x, targets, weight, cos, sin, other=None):
+    """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``: no norm,
+    targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
+    block and tail of whole 16 bytes, 16-byte aligned target rows, unit-stride table rows, and
+    float16 converted by the CPU."""
+    from . import HARDWARE_F16
+
+    item = x.itemsize
+    block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
+    if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
+        return False
+    if x.dtype.name == "float16" and not HARDWARE_F16:
+        return False
+    if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
+        return False
+    for target in targets:
+        if target.dtype != x.dtype or target.ctypes.data % 16:
+            return False
+        if any(stride % 16 for size, stride in zip(target.shape, target.strides) if size > 1):
+            return False
+    return other is None or other.dtype == x.dtype
+
+
+def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec, q_weight,
+           k_weight, eps, k_multiplier, v_multiplier):  # fmt: skip
+    """Run :func:`fused_range` over every token, on Numba's threads where the step is large.
+    The caller has checked every argument (see _kv_cache)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    (qf, qb), (of, ob), (kf, kb), (vf, vb) = (_view(a) for a in (q, out, k, v))
+    (kcf, kcb), (vcf, vcb) = _view(k_cache), _view(v_cache)
+    cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
+    qs, os_ = _strides(q, qb, (0, 1)), _strides(out, ob, (0, 1))
+    ks, vs = _strides(k, kb, (0, 1)), _strides(v, vb, (0, 1))
+    kcs, vcs = _strides(k_cache, kcb, cache_axes), _strides(v_cache, vcb, cache_axes)
+    same = out is q or (ob == qb and of.ctypes.data == qf.ctypes.data)
+    vector = int(_vector(spec, q, (out,), q_weight, cos, sin))
+    vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), k_weight, cos, sin, v))
+    args = (
+        qf, of if not same else qf, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
+        cos, sin, block, hq, hkv, spec.rotary_dim, d, spec.half_style, False, q_weight,
+        k_weight, eps, k_multiplier, v_multiplier, vector,
+    )  # fmt: skip
+    size = n * (hq + 2 * hkv) * d
+    if size >= _config.CONFIG.small_below and _config.threads_usable():
+        tasks = min(n, 16 * numba.get_num_threads())
+        _config.run_parallel(fused_parallel, *args, tasks, n)
+    else:
+        fused_range(*args, 0, n)

@@ -1,0 +1,198 @@
+"""RoPE.rotate_into_cache: q rotated, k rotated into a paged cache, v copied into it, in one
+pass.
+
+Without norm and float8 the results and the cache are rotate_qk's and a NumPy scatter's, bit for
+bit, over layouts, slots with padding, positions inside and past the cache, multi-axis and
+scaled RoPEs; with norm, within float32 rounding of a float64 oracle; with float8, within one
+float8 rounding. Refusals write nothing.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracles import DTYPES, assert_matches, bits, oracle, random_array
+
+import arrayrope as ar
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _qkv(rng, n, hq, hkv, d, dtype, fused):
+    """q, k and v of n tokens: views of one fused projection, or arrays of their own."""
+    if fused:
+        qkv = random_array(rng, (n, (hq + 2 * hkv) * d), dtype)
+        q = qkv[:, : hq * d].reshape(n, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].reshape(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].reshape(n, hkv, d)
+        return q, k, v
+    return tuple(random_array(rng, (n, h, d), dtype) for h in (hq, hkv, hkv))
+
+
+def _caches(rng, blocks, block, hkv, d, dtype, layout):
+    shape = (blocks, block, hkv, d) if layout == "NHD" else (blocks, hkv, block, d)
+    return random_array(rng, shape, dtype), random_array(rng, shape, dtype)
+
+
+def _rows(cache, layout):
+    """The cache as (slot, head, d): one row per slot."""
+    if layout == "HND":
+        cache = cache.transpose(0, 2, 1, 3)
+    return cache.reshape(-1, *cache.shape[2:])
+
+
+ROPES = {
+    "half": lambda d: ar.RoPE(d, style="half"),
+    "interleaved, partial": lambda d: ar.RoPE(d, rotary_dim=d // 2),
+    "half, quarter, YaRN": lambda d: ar.RoPE(
+        d, style="half", rotary_dim=max(2, d // 4 // 2 * 2), scaling=ar.scaling.YaRN(4.0, 64)
+    ),
+    "sectioned (3 axes)": lambda d: ar.RoPE.sectioned(d, (d // 4 - 1, 1, d // 4)),
+}
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rope_kind=st.sampled_from(sorted(ROPES)),
+    half_d=st.sampled_from([4, 8, 16, 32, 40]),
+    n=st.integers(0, 40),
+    heads=st.sampled_from([(1, 1), (4, 2), (8, 1), (6, 3)]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    block=st.sampled_from([1, 4, 16]),
+    fused=st.booleans(),
+    where=st.sampled_from(["new", "out", "in place"]),
+    positions=st.sampled_from(["small", "past the cache", "real"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matches_rotate_qk_and_a_scatter(
+    dtype, rope_kind, half_d, n, heads, layout, block, fused, where, positions, seed
+):
+    d = 2 * half_d
+    hq, hkv = heads
+    rng = np.random.default_rng(seed)
+    rope = ROPES[rope_kind](d)
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, fused)
+    blocks = max(1, -(-n // block) + 1)
+    k_cache, v_cache = _caches(rng, blocks, block, hkv, d, dtype, layout)
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    slots = rng.permutation(blocks * block)[:n].astype(np.int64)
+    slots[rng.random(n) < 0.2] = -1  # padding
+    high = {"small": 1000, "past the cache": 2**31 - 1, "real": 10**6}[positions]
+    shape = (n,) if rope.n_axes == 1 else (n, rope.n_axes)
+    pos = rng.integers(0, high, size=shape)
+    if positions == "real":
+        pos = pos + rng.random(shape)
+    q_original = q.copy()
+    want_q, want_k = rope.rotate_qk(q, k, pos[:, None])  # every head at its token's position
+    kw = dict(cache_layout=layout)
+    if where == "new":
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **kw)
+        assert np.array_equal(bits(q), bits(q_original))
+    elif where == "out":
+        out = np.full(q.shape, np.nan, dtype)
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out, **kw)
+        assert got is out
+    else:
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q, **kw)
+        assert got is q
+    assert np.array_equal(bits(got), bits(want_q))
+    expected_k, expected_v = _rows(before_k, layout).copy(), _rows(before_v, layout).copy()
+    used = slots >= 0
+    expected_k[slots[used]] = want_k[used]
+    expected_v[slots[used]] = v[used]
+    assert np.array_equal(bits(_rows(k_cache, layout)), bits(expected_k))
+    assert np.array_equal(bits(_rows(v_cache, layout)), bits(expected_v))
+
+
+def _rms64(x, weight, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_qk_norm_before_the_rotation(dtype, style, rng):
+    n, hq, hkv, d = 9, 4, 2, 64
+    rope = ar.RoPE(d, style=style, rotary_dim=48)
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+    q_w, k_w = rng.uniform(0.5, 1.5, d), rng.uniform(0.5, 1.5, d)
+    k_cache, v_cache = _caches(rng, 3, 4, hkv, d, dtype, "NHD")
+    slots, pos = rng.permutation(12)[:n], rng.integers(0, 10**6, n)
+    got = rope.rotate_into_cache(
+        q, k, v, pos, k_cache, v_cache, slots, q_norm=q_w, k_norm=k_w, norm_eps=1e-5
+    )
+    compute = np.float64 if dtype == np.float64 else np.float32  # the weights as taken
+    norm_q = _rms64(q, q_w.astype(compute), 1e-5)
+    norm_k = _rms64(k, k_w.astype(compute), 1e-5)
+    kw = dict(style=style, rotary_dim=48)
+    assert_matches(got, oracle(norm_q, pos[:, None], **kw), norm_q)
+    assert_matches(_rows(k_cache, "NHD")[slots], oracle(norm_k, pos[:, None], **kw), norm_k)
+    assert np.array_equal(bits(_rows(v_cache, "NHD")[slots]), bits(v))
+
+
+def test_float8_caches_are_scaled_rounded_once_and_saturated(rng):
+    n, hq, hkv, d = 16, 2, 2, 32
+    rope = ar.RoPE(d, style="half")
+    q, k, v = _qkv(rng, n, hq, hkv, d, np.float32, False)
+    v[0, 0, :4] = [1e6, -1e6, np.nan, 0.0]  # saturated, saturated, nan, zero
+    k_cache = np.zeros((4, 8, hkv, d), FP8)
+    v_cache = np.zeros((4, 8, hkv, d), FP8)
+    slots, pos = rng.permutation(32)[:n], rng.integers(0, 5000, n)
+    rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, k_scale=0.05, v_scale=2.0)
+    k_rot = rope.rotate(k, pos[:, None]).astype(np.float64)
+
+    def float8(values):
+        return np.clip(values, -448, 448).astype(FP8)
+
+    got_k = _rows(k_cache, "NHD")[slots].astype(np.float64)
+    want_k = float8(k_rot / 0.05).astype(np.float64)
+    # k is rotated in float32, then scaled and rounded: at most one float8 step from rounding
+    # the exact value once
+    step = np.maximum(np.abs(want_k), 2.0**-6) * 2.0**-3
+    assert (np.abs(got_k - want_k) <= step).all()
+    got_v = _rows(v_cache, "NHD")[slots]
+    assert np.array_equal(
+        got_v.view(np.uint8), float8(v.astype(np.float32) * np.float32(0.5)).view(np.uint8)
+    )
+    assert float(got_v[0, 0, 0]) == 448 and float(got_v[0, 0, 1]) == -448
+    assert np.isnan(float(got_v[0, 0, 2]))
+
+
+def test_refusals_write_nothing(rng):
+    n, hq, hkv, d = 4, 2, 1, 16
+    rope = ar.RoPE(d)
+    q, k, v = _qkv(rng, n, hq, hkv, d, np.float32, False)
+    k_cache, v_cache = _caches(rng, 2, 4, hkv, d, np.float32, "NHD")
+    before = k_cache.copy(), v_cache.copy()
+    pos, slots = np.arange(n), np.array([0, 1, 2, 3])
+    cases = [
+        ({"slots": np.array([0, 1, 2, 8])}, ar.RopeValueError, r"below .* \(8\), got 8"),
+        ({"slots": np.array([0, 1, 1, 2])}, ar.RopeValueError, "distinct .* slot 1 2 times"),
+        ({"slots": np.array([0, 1.0, 2, 3])}, ar.RopeTypeError, "slots must hold integers"),
+        ({"slots": np.array([0, 1, 2])}, ar.RopeValueError, r"shape \(4,\), one per token"),
+        ({"cache_layout": "THD"}, ar.RopeValueError, "cache_layout must be"),
+        ({"k_scale": 2.0}, ar.RopeValueError, "k_scale scales a float8 cache"),
+        ({"v": v[:, :, :8]}, ar.RopeValueError, r"v must have shape \(4, 1, 16\)"),
+        ({"k": k.astype(np.float64)}, ar.RopeTypeError, "k must have dtype float32"),
+        ({"v_cache": v_cache[:1]}, ar.RopeValueError, "v_cache must have shape"),
+        ({"q_norm": np.ones(8)}, ar.RopeValueError, r"q_norm must be a float array of shape"),
+        ({"pos": np.arange(3)}, ar.RopeValueError, "pos of shape"),
+        ({"pos": -1}, ar.RopeValueError, "non-negative"),
+        ({"k_cache": k_cache, "v_cache": k_cache}, ar.RopeValueError, "share memory"),
+        (
+            {"out": k_cache.reshape(-1)[: n * hq * d].reshape(n, hq, d)},
+            ar.RopeValueError,
+            "share memory",
+        ),  # fmt: skip
+    ]
+    for change, error, message in cases:
+        args = dict(q=q, k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache, slots=slots)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            rope.rotate_into_cache(
+                args.pop("q"), args.pop("k"), args.pop("v"), args.pop("pos"),
+                args.pop("k_cache"), args.pop("v_cache"), args.pop("slots"), **args,
+            )  # fmt: skip
+        assert np.array_equal(bits(k_cache), bits(before[0]))
+        assert np.array_equal(bits(v_cache), bits(before[1]))
