@@ -8,6 +8,7 @@ transformers through its own modules against what this builds.
 """
 
 import math
+import os
 
 from . import _hf_fields as read
 from . import _hf_layouts as layouts
@@ -165,14 +166,42 @@ def _rule(kind, params, cfg):
 
 
 def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
+    cfg = read.part_of(read.fields(config), part)
+    _check_form(cfg, config)
+    if not layouts.has_rope(cfg, layer_type):
+        model_type = cfg.get("model_type")
+        which = "its layers" if layer_type is None else f"layers of type {layer_type!r}"
+        switch = layouts.ROPE_SWITCHES.get(model_type)
+        why = f" with {switch} off" if switch else ""
+        raise RopeValueError(f"{which} of model_type {model_type!r} take no RoPE{why}")
+    return _rope(cls, cfg, style, max_positions, layer_type)
+
+
+def _check_form(cfg, config):
+    """Refuse a file whose family keeps rope parameters per layer type in the older flat form,
+    which transformers converts by the family's own rules (see LAYER_TYPE_FAMILIES)."""
+    if isinstance(config, (dict, str, os.PathLike)) or not hasattr(config, "to_dict"):
+        model_type = cfg.get("model_type")
+        if model_type in layouts.LAYER_TYPE_FAMILIES and read.nested(cfg) is None:
+            raise RopeValueError(
+                f"config of model_type {model_type!r} gives flat rope fields, which transformers "
+                "turns into one set per layer type by the family's own rules: pass the config "
+                "object transformers loads (AutoConfig.from_pretrained(...)), or rope_parameters "
+                "keyed by layer type"
+            )
+
+
+def _rope(cls, cfg, style, max_positions, layer_type):
+    """The RoPE of the (part's) fields ``cfg`` at ``layer_type``."""
     from . import scaling as sc
 
-    cfg = read.part_of(read.fields(config), part)
     cfg, params = read.layer(cfg, layer_type)
     model_type = cfg.get("model_type")
     kind = _kind(params, model_type)
     theta = _theta(cfg, params)
     partial = _partial(cfg, params)
+    if kind == "default" and model_type not in layouts.PARTIAL_DEFAULT_FAMILIES:
+        partial = None  # the family's default rope ignores it (see PARTIAL_DEFAULT_FAMILIES)
     style = layouts.style(model_type, cfg.get("rope_interleave"), style)
     sign = layouts.sign(model_type)
 
@@ -240,16 +269,15 @@ def _build(
 def hf_layer_ropes(cls, config, style, max_positions, part):
     """{layer type: RoPE, or None for a layer type without RoPE} of every layer type."""
     cfg = read.part_of(read.fields(config), part)
+    _check_form(cfg, config)
     nested = read.nested(cfg)
     kinds = nested if nested is not None else dict.fromkeys(cfg.get("layer_types") or [])
     if not kinds:
         raise RopeValueError("config has no layer_types; use RoPE.from_hf_config")
     ropes = {}
     for kind in kinds:
-        if nested is not None and nested[kind] is None:
+        if nested is not None and nested[kind] is None or not layouts.has_rope(cfg, kind):
             ropes[kind] = None
-            continue
-        ropes[kind] = rope_from_hf_config(
-            cls, config, style, max_positions, kind if nested is not None else None, part
-        )
+        else:
+            ropes[kind] = _rope(cls, cfg, style, max_positions, kind if nested else None)
     return ropes

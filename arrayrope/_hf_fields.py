@@ -7,12 +7,19 @@ import os
 
 from ._errors import RopeTypeError, RopeValueError
 
-# Other names of the fields read here (the GPT-2 lineage: GPT-J, CodeGen; vision towers'
-# num_heads), as transformers' config classes map them (attribute_map).
+# Other names of the fields read here, as transformers' config classes map them (attribute_map):
+# for every family (the GPT-2 lineage's, vision towers' num_heads), and for the families whose
+# own names mean these fields only there. Two names that disagree are an error.
 _FIELD_ALIASES = {
     "hidden_size": ("n_embd", "d_model"),
     "num_attention_heads": ("n_head", "num_heads"),
     "max_position_embeddings": ("n_positions",),
+}
+_FAMILY_ALIASES = {
+    "jetmoe": {"head_dim": ("kv_channels",)},
+    "zamba": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
+    "zamba2": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
+    "moonshine": {"num_attention_heads": ("decoder_num_attention_heads",)},
 }
 # Every field this module reads from a config: read from an object by attribute, so that its
 # class's aliases and defaults apply.
@@ -73,8 +80,9 @@ def fields(config):
 def _canonical(cfg):
     """``cfg`` with the current names of aliased fields; two names that disagree are an
     error."""
-    for name, aliases in _FIELD_ALIASES.items():
-        for alias in aliases:
+    aliases = {**_FIELD_ALIASES, **_FAMILY_ALIASES.get(cfg.get("model_type"), {})}
+    for name, others in aliases.items():
+        for alias in others:
             value = cfg.get(alias)
             if value is None:
                 continue

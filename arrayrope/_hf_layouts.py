@@ -1,7 +1,8 @@
 """The pair and axis layouts of transformers' model families, which live in their modeling code
 rather than their configs: the families whose code departs from transformers' convention
 (rotate_half pairs, one position axis, frequencies base ** (-2 i / d) in pair order), and how.
-tests/test_hf_families.py checks every table here against the installed transformers.
+tests/test_hf_families.py checks the tables against the installed transformers wherever it can
+run a family's own module.
 """
 
 import numpy as np
@@ -41,6 +42,61 @@ INTERLEAVED_FAMILIES = frozenset(
         "pe_video_encoder",
     }
 )
+# Families whose config keeps one set of rope parameters per layer type. transformers converts an
+# older file's flat fields (Gemma 3's rope_local_base_freq, ModernBERT's local_rope_theta, a
+# rope_scaling meant for the full-attention layers alone) by each family's own rules; a file read
+# here as a dict or a path must already be in the nested form.
+LAYER_TYPE_FAMILIES = frozenset(
+    {
+        "beam", "deepseek_v4", "diffusion_gemma_text", "dory", "dots3_note_text",
+        "embedding_gemma2_text", "gemma3_text", "gemma3n_text", "gemma4_text",
+        "gemma4_unified_text", "laguna", "lfm3", "mellum", "mimo_v2_flash", "modernbert",
+        "modernbert-decoder", "neomme", "olmo3", "step3p5", "t5gemma2_decoder", "t5gemma2_text",
+        "ultrabert", "zaya",
+    }
+)  # fmt: skip
+# Layer types whose layers take no position embedding: layers that are not softmax attention
+# (convolutions, linear attention) in every family, and the global layers of families that rotate
+# only their sliding-window layers.
+NO_ROPE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
+NO_ROPE_BY_FAMILY = {
+    family: frozenset({"full_attention"})
+    for family in (
+        "afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "flint", "kolibri1",
+        "llama4_text",
+    )
+}  # fmt: skip
+# Families whose attention takes a RoPE only where a config field says so.
+ROPE_SWITCHES = {"zamba2": "use_mem_rope"}
+
+
+def has_rope(cfg, layer_type):
+    """Whether layers of ``layer_type`` (None: the config's one kind) take a RoPE in the family
+    of the config fields ``cfg``."""
+    model_type = cfg.get("model_type")
+    switch = ROPE_SWITCHES.get(model_type)
+    if switch is not None and not cfg.get(switch):
+        return False
+    return layer_type not in NO_ROPE_LAYER_TYPES and layer_type not in NO_ROPE_BY_FAMILY.get(
+        model_type, ()
+    )
+
+
+# Families whose rotary module reads a partial rotary factor with the default rope type (the
+# other families' default ignores one; every other rope type reads it).
+PARTIAL_DEFAULT_FAMILIES = frozenset(
+    {
+        "bamba", "deepseek_v4", "diffusion_gemma_text", "dots3_note_audio_encoder",
+        "dots3_note_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text",
+        "glm4v_text", "glm_image_text", "glm_ocr_text", "glmasr_encoder", "gpt_neox",
+        "gpt_neox_japanese", "laguna", "mellum", "mimo_v2_flash", "minimax_m2",
+        "minimax_m3_vl_text", "moonshine", "moonshine_streaming", "musicflamingo", "nemotron",
+        "nemotron3_5_transcribe_asr_audio", "nemotron3_diarization_audio", "neomme",
+        "persimmon", "phi", "phi3", "phi4_multimodal", "qwen3_5_moe_text", "qwen3_5_text",
+        "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "solar_open", "stablelm", "step3p5",
+        "zaya",
+    }
+)  # fmt: skip
 # Families whose code reads the rotated features from a rotary_dim field (other families'
 # configs may carry one that their code ignores).
 ABSOLUTE_ROTARY_DIM_FAMILIES = frozenset({"gptj", "codegen"})
@@ -114,9 +170,26 @@ def sections(model_type, params, rotary_dim):
         assign = assign or default_assign
     if found is None:
         return np.zeros(rotary_dim // 2, np.int64)
+    try:
+        found = tuple(int(n) for n in found)
+    except (TypeError, ValueError):
+        raise RopeValueError(f"mrope_section must be a list of ints, got {found!r}") from None
     if assign == "height-width alternating":
-        return _alternating_sections(tuple(found), rotary_dim // 2)
-    return sectioned_pairs(tuple(found), assign or "contiguous", rotary_dim)
+        return _alternating_sections(found, rotary_dim // 2)
+    if assign == "interleaved":
+        return _interleaved_sections(found, rotary_dim // 2)
+    return sectioned_pairs(found, assign or "contiguous", rotary_dim)
+
+
+def _interleaved_sections(sections, pairs):
+    """Qwen3-VL's M-RoPE as its code builds it: pair j takes axis a >= 1 where j % n_axes == a
+    and j < n_axes * sections[a], and time (axis 0) every other pair, however many that is."""
+    n_axes = len(sections)
+    j = np.arange(pairs)
+    pair_axis = np.zeros(pairs, np.int64)
+    for a in range(1, n_axes):
+        pair_axis[(j % n_axes == a) & (j < n_axes * sections[a])] = a
+    return pair_axis
 
 
 def _alternating_sections(sections, pairs):

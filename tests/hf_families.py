@@ -286,6 +286,11 @@ def _rotate(rope, x, pos, head_axis, deinterleaved):
     rope.head_dim features (all of them, or MLA's rotary part); a family that writes its
     interleaved pairs de-interleaved gives P x at the identity and P R x after."""
     x = np.ascontiguousarray(x)
+    if x.shape[-1] == rope.rotary_dim < rope.head_dim:  # an apply function given the rotated
+        pad = np.zeros(x.shape[:-1] + (rope.head_dim - rope.rotary_dim,), x.dtype)  # part alone
+        return _rotate(rope, np.concatenate([x, pad], -1), pos, head_axis, deinterleaved)[
+            ..., : rope.rotary_dim
+        ]
     n = rope.head_dim
     part = x[..., x.shape[-1] - n :]
     if deinterleaved:
@@ -299,6 +304,20 @@ def _rotate(rope, x, pos, head_axis, deinterleaved):
 
 
 BIT_EXACT = "apply_cos_sin of its own tables gives its q and k bit for bit"
+# Families that normalize q and k after the rotation (so that a scaling rule's attention factor
+# cancels there): their results are compared up to that factor.
+NORMALIZED_AFTER = frozenset({"llama4", "nanochat", "timesfm2_5"})
+
+
+def _same_rope(a, b):
+    """Whether two RoPEs rotate alike: configuration, frequencies and pair layout."""
+    return (
+        (a.head_dim, a.rotary_dim, a.style, a.n_axes, a.scaling)
+        == (b.head_dim, b.rotary_dim, b.style, b.n_axes, b.scaling)
+        and np.array_equal(a.inv_freq, b.inv_freq)
+        and np.array_equal(a._spec.pair_axis, b._spec.pair_axis)
+        and a.attention_scaling == b.attention_scaling
+    )
 
 
 def _same_bits(rope, embeddings, q0, q1, k0, k1, pos, head_axis):
@@ -414,15 +433,22 @@ def _attention_classes(module, module_name, rotary_cls):
     return sorted(found, key=lambda c: "Attention" not in c.__name__)
 
 
-# The scaling variant each family is also driven with: YaRN at a quarter of the family's length.
-def _yarn(parameters, max_positions):
-    return {**parameters, "rope_type": "yarn", "factor": 4.0,
-            "original_max_position_embeddings": max(16, max_positions // 4)}  # fmt: skip
+# The variants each family is also driven with: YaRN at a quarter of the family's length, and half
+# the head rotated (which the default rope of most families ignores, as arrayrope must too).
+VARIANTS = {
+    "yarn": lambda parameters, length: {
+        **parameters, "rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": max(16, length // 4),
+    },
+    "partial": lambda parameters, length: {
+        **parameters, "rope_type": "default", "partial_rotary_factor": 0.5
+    },
+}  # fmt: skip
 
 
 def drive(module_name, rotary_name, seed=0, variant=None):
-    """The Outcome of one rotary class, with the config class's defaults or, with
-    ``variant="yarn"``, their rope parameters turned into YaRN's."""
+    """The Outcome of one rotary class, with the config class's defaults or, with a
+    ``variant`` of VARIANTS, their rope parameters changed so."""
     import torch
 
     module = importlib.import_module(module_name)
@@ -440,14 +466,14 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     except Exception as error:  # noqa: BLE001
         return outcome(UNDRIVEN, f"its config class has no defaults: {error!r}")
     config, rotary, error = None, None, None
-    if variant == "yarn":
+    if variant is not None:
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)
             keys = getattr(candidate, "nested_rope_parameter_keys", lambda p: [])(parameters or {})
             flat = isinstance(parameters, dict) and not keys
             if flat and parameters.get("rope_type") == "default":
                 length = getattr(candidate, "max_position_embeddings", None) or 4096
-                candidate.rope_parameters = _yarn(parameters, length)
+                candidate.rope_parameters = VARIANTS[variant](parameters, length)
     for candidate in _sub_configs(top):
         try:
             rotary = rotary_cls(candidate)
@@ -514,6 +540,28 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         extra["cu_seqlens"] = torch.tensor([0, B * T], dtype=torch.int32)
     configs = [config] + [c for c in _sub_configs(top) if c is not config]
 
+    def _nope(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero):
+        """A layer that ignores its rotary embedding: where every layer of its type does (its
+        next one too), from_hf_layers must give that type None."""
+        all_types = getattr(config, "layer_types", None) or []
+        later = [i for i, t in enumerate(all_types) if t == layer_type and i > layer_idx]
+        if layer_type is None:
+            return UNDRIVEN, f"{attention_cls.__name__} ignores its rotary embedding"
+        if later:
+            again = compare(attention_cls, layer_type, later[0], hidden, embeddings, at_zero, True)
+            if again is not None:
+                return None  # NoPE by layer index (SmolLM3's no_rope_layers), not by type
+        try:
+            got = ar.RoPE.from_hf_layers(config).get(layer_type)
+        except ar.RopeError as e:
+            return REFUSED, str(e)
+        if got is not None:
+            return (
+                WRONG,
+                f"layers of type {layer_type!r} take no RoPE, and from_hf_layers gives one",
+            )
+        return MATCH, f"{attention_cls.__name__}[{layer_type}]: no RoPE, and none given"
+
     def attempt(hidden):
         results = []
         for layer_type in layer_types:
@@ -536,7 +584,7 @@ def drive(module_name, rotary_name, seed=0, variant=None):
                     results.append(result)
         return results
 
-    def compare(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero):
+    def compare(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero, once=False):
         try:
             attention = _attention(attention_cls, configs, layer_idx)
             if "position_embeddings" in inspect.signature(attention.forward).parameters:
@@ -554,13 +602,21 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         except Exception as e:  # noqa: BLE001 - an attention class of another part
             return UNDRIVEN, f"{attention_cls.__name__}: {e!r}"
         (q0, k0), (q1, k1) = captured
-        if torch.equal(q0, q1) and torch.equal(k0, k1):
-            return None  # a layer that ignores the rotary embedding (NoPE)
+        if torch.equal(q0, q1) and torch.equal(k0, k1):  # a layer without RoPE (NoPE)
+            if once:
+                return None
+            return _nope(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero)
         kw = {"layer_type": layer_type} if nested else {}
         try:
             rope = ar.RoPE.from_hf_config(config, **kw)
         except ar.RopeError as e:
             return REFUSED, str(e)
+        try:  # the same config as transformers writes it, read as a dict
+            again = ar.RoPE.from_hf_config(config.to_dict(), **kw)
+        except ar.RopeError as e:
+            return WRONG, f"its config as a dict is refused: {e}"
+        if not _same_rope(rope, again):
+            return WRONG, f"its config as a dict gives {again!r}, the object {rope!r}"
         q0, k0, q1, k1 = (t.numpy() for t in (q0, k0, q1, k1))
         where = f"{attention_cls.__name__}[{layer_type}]"
         pos, axis = positions, head_axis
@@ -571,11 +627,13 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             shape = [1] * (q0.ndim - 1) + [positions.shape[-1]]
             shape[found[-1]] = B * T
             pos = positions.reshape(shape)
-        # a family may write its interleaved pairs de-interleaved, and one that normalizes q
-        # and k after the rotation divides the attention scaling out again
-        scales = {1.0, rope.attention_scaling}
+        # a family whose config says rope_interleave may write its interleaved pairs
+        # de-interleaved, and one that normalizes q and k after the rotation divides the
+        # attention scaling out again
+        scales = {1.0, rope.attention_scaling} if family in NORMALIZED_AFTER else {1.0}
+        layouts = (False, True) if getattr(config, "rope_interleave", None) else (False,)
         try:
-            for deinterleaved in (False, True) if rope.style == "interleaved" else (False,):
+            for deinterleaved in layouts:
                 for scale in scales:
                     got_q = _rotate(rope, q0, pos, axis, deinterleaved) / scale
                     got_k = _rotate(rope, k0, pos, axis, deinterleaved) / scale
@@ -620,7 +678,7 @@ def main():
     transformers.logging.set_verbosity_error()
     counts = {}
     for family, module_name, rotary_name in components():
-        for variant in (None, "yarn"):
+        for variant in (None, *VARIANTS):
             result = drive(module_name, rotary_name, variant=variant)
             counts[result.status, variant] = counts.get((result.status, variant), 0) + 1
             if BIT_EXACT in result.detail:

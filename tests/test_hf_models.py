@@ -164,9 +164,9 @@ def test_conflicting_fields_are_errors():
         ar.RoPE.from_hf_config({**base, "rope_theta": 50000.0, "rotary_emb_base": 10000.0})
     with pytest.raises(ar.RopeValueError, match="hidden_size=256 and n_embd=128"):
         ar.RoPE.from_hf_config({**base, "n_embd": 128})
-    gptj = {**base, "model_type": "gptj"}
-    with pytest.raises(ar.RopeValueError, match="rotary_dim=32 and a partial rotary factor"):
-        ar.RoPE.from_hf_config({**gptj, "rotary_dim": 32, "partial_rotary_factor": 0.25})
+    # GPT-J reads rotary_dim and no partial rotary factor, as its code does
+    gptj = {**base, "model_type": "gptj", "rotary_dim": 32, "partial_rotary_factor": 0.25}
+    assert ar.RoPE.from_hf_config(gptj).rotary_dim == 32
     # a field the family's code does not read is not read here either
     assert ar.RoPE.from_hf_config({**base, "rotary_dim": 32}).rotary_dim == 64
 
