@@ -8,7 +8,8 @@ from . import _arrays, _given, _interop, _registry
 from ._cache import Bounded
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
-from ._spec import base_arg, int_arg, style_arg, with_head_axis
+from ._spec import base_arg, check_inverse, int_arg, style_arg, with_head_axis
+from .backends import check_name
 from .rope import Array, Positions, RoPE
 from .scaling import ScalingRule
 
@@ -245,16 +246,26 @@ def _apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, n
     if all(_arrays.family(a) for a in given):
         return _given.run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend,
                           names)  # fmt: skip
+    style, inverse = style_arg(style), check_inverse(inverse)
+    if rotary_dim is not None:
+        rotary_dim = int_arg("rotary_dim", rotary_dim, minimum=2)
+    if head_axis is not None and (isinstance(head_axis, bool) or not isinstance(head_axis, int)):
+        raise RopeTypeError(f"head_axis must be an int or None, got {head_axis!r}")
+    check_name(backend)
+    x = xs[0]
+    _given.check_width(cos, getattr(x, "shape", (0,))[-1], rotary_dim, names[0])
+    if len(xs) == 2 and getattr(xs[1], "dtype", None) != getattr(x, "dtype", None):
+        raise RopeTypeError(f"q and k must share a dtype, got {x.dtype} and {xs[1].dtype}")
     if _torch_traced(xs, cos, sin, outs):
         from . import _torch_given
 
-        return _torch_given.apply_cos_sin(xs, cos, sin, style_arg(style), rotary_dim, inverse,
-                                          outs, head_axis, backend)  # fmt: skip
+        return _torch_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
+                                          head_axis, backend)  # fmt: skip
     if _interop.jax_traced(*xs, cos, sin):
         from . import _jax_given
 
-        return _jax_given.apply_cos_sin(xs, cos, sin, style_arg(style), rotary_dim, inverse,
-                                        outs, head_axis, backend)  # fmt: skip
+        return _jax_given.apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs,
+                                        head_axis, backend)  # fmt: skip
     xs, restores = zip(*(_native(name, a) for name, a in zip(names, xs)))
     cos, sin = _native("cos", cos)[0], _native("sin", sin)[0]
     native_outs = None
@@ -310,7 +321,7 @@ def apply_cos_sin(
     >>> import numpy as np, arrayrope as ar
     >>> x = np.ones((2, 3, 4, 8), np.float32)                  # (B, H, T, d)
     >>> angle = np.arange(4)[:, None] * 0.5 ** np.arange(4)    # (T, d/2)
-    >>> y = ar.apply_cos_sin(x, np.cos(angle), np.sin(angle), style="half")
+    >>> y = ar.apply_cos_sin(x, np.cos(angle), np.sin(angle), style="half", rotary_dim=8)
     >>> bool(np.allclose(y, ar.rotate(x, np.arange(4), base=16.0, style="half")))
     True
     """

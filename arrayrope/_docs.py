@@ -84,7 +84,8 @@ cos, sin : arrays, shape C + (rotary_dim,) or C + (rotary_dim / 2,)
 style : {"interleaved", "half"}
     The pair layout the tables were made for: required, since a table does not say it.
 rotary_dim : int, optional
-    Rotate the first rotary_dim features (default all); the rest pass through.""",
+    Rotate the first rotary_dim features (default all); the rest pass through. Required for
+    tables narrower than x, whose width alone does not tell the two layouts apart.""",
     "inverse of cos, sin": """\
 inverse : bool
     Rotate by minus the tables' angles (sin negated), cos as given: the transpose.""",

@@ -124,10 +124,14 @@ class _Prepared:
     def run(self, xs, cos, sin, inverse, outs):
         cos = _table("cos", cos, xs[0], self.rotary_dim, self.style)
         sin = _table("sin", sin, xs[0], self.rotary_dim, self.style)
-        if outs is not None and self.plan.family == NUMPY:
+        if outs is not None:
             # a table the caller's memory still holds, which an out would overwrite as it is read
+            family = self.plan.family
             cos, sin = (
-                t.copy() if any(np.may_share_memory(o, t) for o in outs) else t for t in (cos, sin)
+                t.copy()
+                if any(o.size and _arrays.overlap_kind(o, t, family) != "none" for o in outs)
+                else t
+                for t in (cos, sin)
             )
         results = self.plan.run_given(xs, cos, sin, self.idx, inverse, outs)
         return tuple(outs) if outs is not None else results
@@ -141,8 +145,9 @@ _NDARRAY = np.ndarray
 def _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend):
     if type(cos) is not _NDARRAY or type(sin) is not _NDARRAY:
         return None
-    key = [style, rotary_dim, head_axis, backend, cos.dtype, cos.shape, cos.strides, sin.dtype,
-           sin.shape, sin.strides]  # fmt: skip
+    # the types too: 8.0 and True hash as 8 and 1, and must reach the checks below
+    key = [style, rotary_dim, type(rotary_dim), head_axis, type(head_axis), backend, cos.dtype,
+           cos.shape, cos.strides, sin.dtype, sin.shape, sin.strides]  # fmt: skip
     for x in xs:
         if type(x) is not _NDARRAY:
             return None
@@ -154,6 +159,19 @@ def _numpy_key(xs, cos, sin, outs, style, rotary_dim, head_axis, backend):
             same = [j for j, x in enumerate(xs) if out is x]
             key += (same[0],) if same else (out.dtype, out.shape, out.strides, out.flags.num)
     return tuple(key)
+
+
+def check_width(cos, d, rotary_dim, name):
+    """Refuse tables narrower than x without a rotary_dim: transformers' layout of a partial
+    rotation (width rotary_dim) and one value per pair of a whole one (width d / 2) look
+    alike."""
+    width = getattr(cos, "shape", (d,))[-1:] or (d,)
+    if rotary_dim is None and width[0] != d:
+        raise RopeValueError(
+            f"cos and sin of width {width[0]} for {name} of {d} features need rotary_dim: {d} "
+            f"for one value per pair over the whole head, {width[0]} for transformers' layout of "
+            "a partial rotation"
+        )
 
 
 def run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, names):
@@ -175,6 +193,7 @@ def run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, name
     d = x.shape[-1]
     if rotary_dim is None and d % 2:
         raise RopeValueError(f"{names[0]}.shape[-1] must be even, got {d}")
+    check_width(cos, d, rotary_dim, names[0])
     rotary_dim = d if rotary_dim is None else int_arg("rotary_dim", rotary_dim, minimum=2)
     if rotary_dim % 2 or rotary_dim > d:
         raise RopeValueError(f"rotary_dim must be even and <= head_dim ({d}), got {rotary_dim}")

@@ -189,7 +189,7 @@ def with_head_axis(pos, head_axis, x, n_axes, name="pos"):
     except TypeError:
         axis = None
     lead = len(shape) - 1
-    if axis is None or not -len(shape) <= axis < lead:
+    if axis is None or not (0 <= axis < lead or -len(shape) <= axis <= -2):
         raise RopeValueError(
             f"head_axis must be an axis of x's leading shape {shape[:-1]} (0 to {lead - 1}, or "
             f"negative from the end of x's shape), got {head_axis!r}"

@@ -108,9 +108,13 @@ def _tangent(x, t_x, cos, sin, t_cos, t_sin, args):
         sa = sb = ds
     sign = -1.0 if inverse else 1.0
     xa, xb = x[..., a], x[..., b]
-    turned = torch.zeros_like(x)
-    turned[..., a] = ca * xa - sign * sa * xb
-    turned[..., b] = cb * xb + sign * sb * xa
+    ya, yb = ca * xa - sign * sa * xb, cb * xb + sign * sb * xa
+    # the pairs' members back in their places, out of place (vmap and forward AD need that)
+    if style == "half":
+        rotated = torch.cat([ya, yb], -1)
+    else:
+        rotated = torch.stack([ya, yb], -1).flatten(-2)
+    turned = torch.cat([rotated, torch.zeros_like(x[..., rotary_dim:])], -1).to(x.dtype)
     return turned if out is None else out + turned
 
 
@@ -214,12 +218,19 @@ def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, bac
     )
     results = []
     for i, x in enumerate(xs):
+        out = None if outs is None else outs[i]
+        if out is not None and _shares(out, x) and torch.is_grad_enabled():
+            x = x.clone()  # autograd keeps x for the tables' gradients: not the memory out gets
         if transformed:
             y = ApplyCosSin.apply(x, cos, sin, *args)
         else:
             y = torch.ops.arrayrope.apply_cos_sin.default(x, cos, sin, *args)
-        if outs is not None:
-            outs[i].copy_(y)
-            y = outs[i]
+        if out is not None:
+            out.copy_(y)
+            y = out
         results.append(y)
     return tuple(results)
+
+
+def _shares(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

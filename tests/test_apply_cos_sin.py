@@ -89,8 +89,10 @@ def test_matches_the_oracle(
     if head_axis is not None:
         placed = tuple(np.expand_dims(t, head_axis) for t in placed)
     want = _oracle(x, *placed, style, rotary_dim, dtype, inverse)
-    if mode == "qk":
-        k = random_array(rng, x_lead + (d,), dtype)
+    if mode == "qk":  # grouped-query: k with one head where tables do not vary by head
+        gqa = lead in ("per token", "per sequence and token", "position_ids with head_axis")
+        k_lead = (x_lead[0], 1) + x_lead[2:] if gqa else x_lead
+        k = random_array(rng, k_lead + (d,), dtype)
         want_k = _oracle(k, *placed, style, rotary_dim, dtype, inverse)
         outs = (poisoned(x.shape, dtype), poisoned(k.shape, dtype))
         got_q, got_k = ar.apply_cos_sin_qk(x, k, given_cos, given_sin, out=outs, **kw)
@@ -122,67 +124,78 @@ def test_arrayropes_own_tables_rotate_bit_for_bit(style, dtype, rng):
     pos = rng.integers(0, 2**31, size=(2, 1, 33))
     cos, sin = rope.cos_sin(pos, like=x)
     assert np.array_equal(
-        bits(ar.apply_cos_sin(x, cos, sin, style=style)), bits(rope.rotate(x, pos))
+        bits(ar.apply_cos_sin(x, cos, sin, style=style, rotary_dim=64)), bits(rope.rotate(x, pos))
     )
 
 
 def test_large_tables_take_the_parallel_kernels(rng):
     x = random_array(rng, (1, 8, 4096, 128), np.float32)  # past the one-thread threshold
     cos, sin = ar.RoPE(128, style="half").cos_sin(np.arange(4096))
-    got = ar.apply_cos_sin(x, cos, sin, style="half")
+    got = ar.apply_cos_sin(x, cos, sin, style="half", rotary_dim=128)
     assert np.array_equal(bits(got), bits(ar.rotate(x, None, style="half")))
 
 
 def test_refusals_name_the_argument():
     x = np.ones((2, 4, 8), np.float32)
     cos = sin = np.ones((4, 4), np.float32)
+    kw = dict(style="half", rotary_dim=8)
     with pytest.raises(TypeError, match="style"):
         ar.apply_cos_sin(x, cos, sin)  # the style is required
+    with pytest.raises(ar.RopeValueError, match="of width 4 for x of 8 features need rotary_dim"):
+        ar.apply_cos_sin(x, cos, sin, style="half")  # one value per pair, or a partial layout?
     with pytest.raises(
         ar.RopeValueError, match=r"end in rotary_dim \(8: .*\) or rotary_dim / 2 \(4: "
     ):
-        ar.apply_cos_sin(x, np.ones((4, 6)), np.ones((4, 6)), style="half")
+        ar.apply_cos_sin(x, np.ones((4, 6)), np.ones((4, 6)), **kw)
     with pytest.raises(ar.RopeValueError, match="cos and sin must have one shape"):
-        ar.apply_cos_sin(x, cos, np.ones((4, 8)), style="half")
+        ar.apply_cos_sin(x, cos, np.ones((4, 8)), **kw)
     with pytest.raises(ar.RopeValueError, match=r"cos\[..., :r/2\] and \[..., r/2:\] equal"):
         ar.apply_cos_sin(x, np.arange(32.0).reshape(4, 8), np.ones((4, 8)), style="half")
     with pytest.raises(ar.RopeValueError, match=r"cos\[..., 0::2\] and \[..., 1::2\] equal"):
         table = np.tile(np.arange(4.0), (4, 2))  # a "half" table: cat(f, f)
         ar.apply_cos_sin(x, table, table, style="interleaved")
     with pytest.raises(ar.RopeValueError, match="cos of shape .* does not broadcast"):
-        ar.apply_cos_sin(x, np.ones((3, 4)), np.ones((3, 4)), style="half")
+        ar.apply_cos_sin(x, np.ones((3, 4)), np.ones((3, 4)), **kw)
     with pytest.raises(ar.RopeTypeError, match="cos must be an array"):
-        ar.apply_cos_sin(x, [[1.0] * 4] * 4, [[0.0] * 4] * 4, style="half")
+        ar.apply_cos_sin(x, [[1.0] * 4] * 4, [[0.0] * 4] * 4, **kw)
     with pytest.raises(ar.RopeTypeError, match="cos must be float16, bfloat16"):
-        ar.apply_cos_sin(x, np.ones((4, 4), np.int32), np.ones((4, 4), np.int32), style="half")
+        ar.apply_cos_sin(x, np.ones((4, 4), np.int32), np.ones((4, 4), np.int32), **kw)
     with pytest.raises(ar.RopeValueError, match="rotary_dim must be even"):
         ar.apply_cos_sin(x, cos, sin, style="half", rotary_dim=5)
+    with pytest.raises(ar.RopeTypeError, match="rotary_dim must be an int"):
+        ar.apply_cos_sin(x, cos, sin, style="half", rotary_dim=8.0)
     with pytest.raises(ar.RopeValueError, match="style must be"):
-        ar.apply_cos_sin(x, cos, sin, style="neox")
+        ar.apply_cos_sin(x, cos, sin, style="neox", rotary_dim=8)
+    with pytest.raises(ar.RopeTypeError, match="inverse must be a bool"):
+        ar.apply_cos_sin(x, cos, sin, inverse="no", **kw)
+    with pytest.raises(ar.RopeValueError, match="head_axis must be an axis of x's leading shape"):
+        ar.apply_cos_sin(x, cos, sin, head_axis=-1, **kw)  # the feature axis
     out = np.zeros((2, 4, 8), np.float64)
     with pytest.raises(ar.RopeValueError, match="out"):
-        ar.apply_cos_sin(x, cos, sin, style="half", out=out)
+        ar.apply_cos_sin(x, cos, sin, out=out, **kw)
     assert not out.any()  # nothing written on a refusal
 
 
 def test_an_out_over_the_tables_reads_them_first(rng):
-    buffer = random_array(rng, (4, 16), np.float32)
-    x, table = buffer[:, :8], buffer[:, 8:12]  # cos in the memory out= is about to write
-    want = ar.apply_cos_sin(x.copy(), table.copy(), table.copy(), style="half")
-    assert np.array_equal(ar.apply_cos_sin(buffer[:, :8], table, table, style="half",
-                                           out=buffer[:, 8:]), want)  # fmt: skip
+    x = random_array(rng, (4, 8), np.float32)
+    store = random_array(rng, (64,), np.float32)
+    table = store[:16].reshape(4, 4)  # contiguous, of the compute dtype: taken as it is
+    want = ar.apply_cos_sin(x, table.copy(), table.copy(), style="half", rotary_dim=8)
+    out = store[8:40].reshape(4, 8)  # over the table's second half
+    got = ar.apply_cos_sin(x, table, table, style="half", rotary_dim=8, out=out)
+    assert np.array_equal(got, want)
 
 
 def test_framework_arrays_come_back_as_their_own_type(rng):
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
     x = random_array(rng, (2, 4, 5, 8), np.float32)
     cos, sin = ar.RoPE(8, style="half").cos_sin(np.arange(5))
-    got = ar.apply_cos_sin(torch.from_numpy(x), torch.from_numpy(cos), torch.from_numpy(sin),
-                           style="half")  # fmt: skip
+    kw = dict(style="half", rotary_dim=8)
+    got = ar.apply_cos_sin(torch.from_numpy(x), torch.from_numpy(cos), torch.from_numpy(sin), **kw)
     assert isinstance(got, torch.Tensor)
-    assert np.array_equal(bits(got.numpy()), bits(ar.apply_cos_sin(x, cos, sin, style="half")))
+    assert np.array_equal(bits(got.numpy()), bits(ar.apply_cos_sin(x, cos, sin, **kw)))
     learned = torch.from_numpy(cos).requires_grad_()  # the operator, which autograd records
-    y = ar.apply_cos_sin(torch.from_numpy(x), learned, torch.from_numpy(sin), style="half")
+    y = ar.apply_cos_sin(torch.from_numpy(x), learned, torch.from_numpy(sin), **kw)
     y.sum().backward()
     assert learned.grad is not None and learned.grad.shape == learned.shape
 
