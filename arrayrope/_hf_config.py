@@ -202,18 +202,23 @@ def _rope(cls, cfg, style, max_positions, layer_type):
     partial = _partial(cfg, params)
     if kind == "default" and model_type not in layouts.PARTIAL_DEFAULT_FAMILIES:
         partial = None  # the family's default rope ignores it (see PARTIAL_DEFAULT_FAMILIES)
-    style = layouts.style(model_type, cfg.get("rope_interleave"), style)
+    interleave = cfg.get("rope_interleave")
+    if interleave is not None and not isinstance(interleave, bool):
+        raise RopeTypeError(f"rope_interleave must be a bool, got {interleave!r}")
+    style = layouts.style(model_type, interleave, style)
     sign = layouts.sign(model_type)
 
     if kind == "axial":  # a vision tower: its head size may be over embed_dim
-        head_dim = read.head_dim({**cfg, "hidden_size": cfg.get("embed_dim") or cfg["hidden_size"]})
+        head_dim = read.head_dim(
+            {**cfg, "hidden_size": cfg.get("embed_dim") or cfg.get("hidden_size")}
+        )
         rotary_dim, blocks, pair_axis, order = layouts.axial(model_type, head_dim, theta)
         return _build(
             cls, head_dim, rotary_dim, style, theta, max_positions, None,
             blocks=blocks, pair_axis=pair_axis, pick=layouts.pick(sign, order, len(pair_axis)),
         )  # fmt: skip
     if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
-        head_dim = int(cfg["qk_rope_head_dim"])
+        head_dim = read.integer(cfg, "qk_rope_head_dim")
         rotated = head_dim
         if partial is not None:
             rotated = int(read.head_dim(cfg) * partial)  # transformers scales the config's head_dim
@@ -228,8 +233,10 @@ def _rope(cls, cfg, style, max_positions, layer_type):
         # transformers truncates, and rotates ceil(rotated / 2) pairs at exponents over
         # ``rotated`` itself, odd or not
         rotated = head_dim if partial is None else int(head_dim * partial)
-    absolute = cfg.get("rotary_dim")
-    if absolute is not None and model_type in layouts.ABSOLUTE_ROTARY_DIM_FAMILIES:
+    absolute = None
+    if model_type in layouts.ABSOLUTE_ROTARY_DIM_FAMILIES:
+        absolute = read.integer(cfg, "rotary_dim")
+    if absolute is not None:
         if partial is not None and absolute != rotated:
             raise RopeValueError(
                 f"config has rotary_dim={absolute} and a partial rotary factor {partial} of "

@@ -78,8 +78,8 @@ def fields(config):
 
 
 def _canonical(cfg):
-    """``cfg`` with the current names of aliased fields; two names that disagree are an
-    error."""
+    """``cfg`` with the current names of aliased fields (two names that disagree are an error),
+    its layer_types checked."""
     aliases = {**_FIELD_ALIASES, **_FAMILY_ALIASES.get(cfg.get("model_type"), {})}
     for name, others in aliases.items():
         for alias in others:
@@ -91,6 +91,11 @@ def _canonical(cfg):
                     f"config has {name}={cfg[name]!r} and {alias}={value!r}, which disagree"
                 )
             cfg[name] = value
+    kinds = cfg.get("layer_types")
+    if kinds is not None and (
+        not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds)
+    ):
+        raise RopeTypeError(f"layer_types must be a list of strings, got {kinds!r}")
     return cfg
 
 
@@ -141,11 +146,12 @@ def layer(cfg, layer_type):
         scaling = cfg.get("rope_scaling")
         if scaling and params and scaling != params:
             raise RopeValueError(
-                "config has both rope_scaling and rope_parameters, and they differ"
+                f"config has both rope_scaling ({scaling!r}) and rope_parameters ({params!r}), "
+                "and they differ"
             )
         params = params or scaling or {}
         if not isinstance(params, dict):
-            raise RopeTypeError("rope_scaling / rope_parameters must be a mapping")
+            raise RopeTypeError(f"rope_scaling / rope_parameters must be a mapping, got {params!r}")
         return cfg, dict(params)
     if layer_type is None:
         raise RopeValueError(
@@ -189,13 +195,26 @@ def need(cfg, key, where="config"):
     return value
 
 
+def integer(cfg, name, minimum=1):
+    """The int field ``name`` of ``cfg`` (None where absent), checked."""
+    value = cfg.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RopeTypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise RopeValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def head_dim(cfg):
     """The head size transformers' rotary module reads: head_dim, else hidden_size //
     num_attention_heads (floored, as the family's projections are)."""
-    for name in ("head_dim", "hidden_size", "num_attention_heads"):
-        value = cfg.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RopeTypeError(f"{name} must be an int, got {value!r}")
-    if cfg.get("head_dim") is not None:
-        return cfg["head_dim"]
-    return need(cfg, "hidden_size") // need(cfg, "num_attention_heads")
+    found = integer(cfg, "head_dim")
+    if found is not None:
+        return found
+    hidden, heads = integer(cfg, "hidden_size"), integer(cfg, "num_attention_heads")
+    if hidden is None or heads is None:
+        missing = "hidden_size" if hidden is None else "num_attention_heads"
+        raise RopeValueError(f"config has no head_dim and no {missing!r} to derive it from")
+    return hidden // heads

@@ -122,6 +122,12 @@ MROPE_FAMILIES = {
     "ernie4_5_vl_moe_text": ((22, 22, 20), "height-width alternating"),
     "hy_v4_vl_text": ((24, 20, 20), "interleaved"),
 }
+# M-RoPE layouts that no RoPE of pairs expresses, with the reason.
+UNEXPRESSED_MROPE = {
+    "hunyuan_vl_text": "its code cuts the duplicated cos/sin table into sections of 2 * "
+    "mrope_section features, so that the two members of a pair can read different position "
+    "axes: no rotation of pairs",
+}
 # Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
 # each axis a run of pairs on its own frequencies over half the head): the position axis each
 # run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
@@ -163,6 +169,8 @@ def sections(model_type, params, rotary_dim):
     from ._spec import sectioned_pairs
 
     found = params.get("mrope_section")
+    if model_type in UNEXPRESSED_MROPE:
+        raise RopeValueError(f"model_type {model_type!r}: {UNEXPRESSED_MROPE[model_type]}")
     assign = "interleaved" if params.get("mrope_interleaved") else None
     if model_type in MROPE_FAMILIES:
         default_sections, default_assign = MROPE_FAMILIES[model_type]

@@ -38,7 +38,7 @@ def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
     rope = _restored.get(config)
     if rope is None:
-        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, pick = config
+        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, *pick = config
         rope = RoPE.__new__(RoPE)
         rope._setup(
             head_dim,
@@ -49,7 +49,7 @@ def _restore(config):
             scaling,
             list(blocks),
             np.array(pair_axis, dtype=np.int64),
-            pick,
+            pick[0] if pick else None,
         )
         rope = _restored.put(config, rope)
     return rope
