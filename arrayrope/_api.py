@@ -1,4 +1,5 @@
-"""The module-level functions: ``rotate`` and ``rotate_qk`` on a RoPE shared per configuration."""
+"""The module-level functions: ``rotate`` and ``rotate_qk`` on a RoPE shared per configuration,
+and ``apply_cos_sin`` and ``apply_cos_sin_qk`` on the caller's tables."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _check_settings(base, style, rotary_dim, scaling):
     if scaling is not None and not isinstance(scaling, ScalingRule):
         raise RopeTypeError(
             "scaling must be a rule from arrayrope.scaling (Linear, NTK, DynamicNTK, YaRN, "
-            f"Llama3, LongRoPE) or None, got {scaling!r}"
+            f"Llama3, LongRoPE, Proportional) or None, got {scaling!r}"
         )
 
 
@@ -301,11 +302,11 @@ def apply_cos_sin(
 
     Parameters
     ----------
-    {x}
+    {x of cos, sin}
     {cos, sin}
     {inverse of cos, sin}
     {out}
-    {head_axis}
+    {head_axis of cos, sin}
     {backend}
 
     Returns
@@ -352,7 +353,7 @@ def apply_cos_sin_qk(
     {cos, sin}
     {inverse of cos, sin}
     {out of q, k}
-    {head_axis}
+    {head_axis of cos, sin}
     {backend}
 
     Returns

@@ -167,11 +167,12 @@ def from_hf_config(
 
     Raises
     ------
-    RopeValueError
-        Unknown fields, fields that disagree (rope_theta and rotary_emb_base, hidden_size
-        and n_embd, rotary_dim and a partial rotary factor), a layer type or part the config
-        does not have, or a RoPE the family's code builds in a way arrayrope cannot express
-        (the message names the family and why).
+    RopeValueError, RopeTypeError
+        Unknown fields, fields of the wrong type, fields that disagree (rope_theta and
+        rotary_emb_base, hidden_size and n_embd, rotary_dim and a partial rotary factor), a
+        layer type or part the config does not have or that takes no RoPE, a file in an older
+        form its family converts by its own rules, or a RoPE the family's code builds in a way
+        arrayrope cannot express (the message names the family and why).
     """
     from ._hf_config import rope_from_hf_config
 
@@ -197,8 +198,8 @@ def from_hf_layers(
     -------
     dict
         {layer type: RoPE}, in the order of the config's layer_types; None for a layer type
-        the config gives no RoPE. Layer types that share one set of parameters share equal
-        RoPEs.
+        whose layers take no RoPE (a family's global NoPE layers, linear attention,
+        convolutions). Layer types that share one set of parameters get RoPEs built alike.
 
     Raises
     ------

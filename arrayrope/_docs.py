@@ -69,6 +69,15 @@ head_axis : int, optional
     The axis of ``x`` that ``pos`` lacks, where ``pos`` gets an axis of size 1, as Hugging
     Face's ``unsqueeze_dim``: 1 for (B, H, T, d) and 2 for (B, T, H, d) with (B, T)
     positions. ``pos`` must then have every leading axis of ``x`` but that one.""",
+    "head_axis of cos, sin": """\
+head_axis : int, optional
+    The axis of ``x`` that the tables' leading shape lacks, where it gets an axis of size 1, as
+    Hugging Face's ``unsqueeze_dim``: 1 for (B, H, T, d) and 2 for (B, T, H, d) with (B, T,
+    width) tables.""",
+    "x of cos, sin": """\
+x : array, shape (..., d)
+    float16, bfloat16 (ml_dtypes), float32 or float64: NumPy, CuPy, or any DLPack producer (a
+    torch tensor, a JAX array). The leading axes may have any strides.""",
     "backend": """\
 backend : {"auto", "numba", "numpy", "cupy", "numba-cuda"}
     "auto" takes Numba for NumPy arrays and "cupy" for CuPy arrays; "numpy" is the readable

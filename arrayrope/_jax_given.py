@@ -170,7 +170,9 @@ for _platform in ("cuda", "rocm"):
 
 
 def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend):
-    """``_given.apply``'s contract where a JAX array is traced (q and k as two binds)."""
+    """``apply_cos_sin``'s contract (see _api._apply) where a JAX array is traced.
+
+    q and k are two binds of the primitive."""
     if outs is not None:
         raise RopeValueError(
             "out is not supported for JAX arrays, which are immutable: use the result"

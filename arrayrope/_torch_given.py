@@ -204,8 +204,9 @@ _lib = _define()
 
 
 def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend):
-    """``_given.apply``'s contract for torch tensors, through the operator (q and k as two
-    calls)."""
+    """``apply_cos_sin``'s contract (see _api._apply) for torch tensors, through the operator.
+
+    q and k are two calls of the operator."""
     for name, t in zip(("cos", "sin"), (cos, sin)):
         if not isinstance(t, torch.Tensor):
             raise RopeTypeError(f"{name} must be a torch tensor like x, got {type(t).__name__}")

@@ -122,7 +122,7 @@ class RoPE:
             if not isinstance(scaling, ScalingRule):
                 raise RopeTypeError(
                     "scaling must be a rule from arrayrope.scaling (Linear, NTK, DynamicNTK, "
-                    f"YaRN, Llama3, LongRoPE) or None, got {scaling!r}"
+                    f"YaRN, Llama3, LongRoPE, Proportional) or None, got {scaling!r}"
                 )
             scaling.check(blocks)
         self.head_dim = head_dim
@@ -213,6 +213,10 @@ class RoPE:
 
     def __repr__(self):
         extra = "" if self.scaling is None else f", scaling={self.scaling!r}"
+        if self._pick is not None:  # frequencies as a Hugging Face family hands them out
+            sign, order = self._pick
+            extra += ", turned the other way" if sign < 0 else ""
+            extra += ", frequencies reordered" if list(order) != sorted(order) else ""
         return (
             f"RoPE(head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base!r}, "
             f"style={self.style!r}, n_axes={self.n_axes}{extra})"
