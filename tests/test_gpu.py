@@ -290,8 +290,8 @@ def test_apply_cos_sin_matches_the_host(backend, dtype):
     x = rng.standard_normal((2, 4, 33, 64)).astype(dtype)
     angles = rng.uniform(-10, 10, (2, 33, 32))
     cos, sin = np.cos(angles), np.sin(angles)
-    want = ar.apply_cos_sin(x, cos, sin, style="half", head_axis=1)
+    want = ar.apply_cos_sin(x, cos, sin, style="half", rotary_dim=64, head_axis=1)
     got = ar.apply_cos_sin(_device(x), cupy.asarray(cos), cupy.asarray(sin), style="half",
-                           head_axis=1, backend=backend)  # fmt: skip
+                           rotary_dim=64, head_axis=1, backend=backend)  # fmt: skip
     # the CuPy kernels give the host's bits; numba.cuda may contract into FMAs
     assert_matches(_host(got, dtype), want.astype(np.float64), x)
