@@ -9,6 +9,7 @@ read it; others (past it, real-valued, multi-axis) get one row per token, made f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -21,6 +22,7 @@ from ._errors import RopeTypeError, RopeValueError
 LAYOUTS = ("NHD", "HND")
 
 
+@functools.cache
 def _fp8(dtype):
     return dtype.name == "float8_e4m3fn"  # ml_dtypes' type: never imported here
 
@@ -86,26 +88,30 @@ def _slots(slots, n, capacity):
             f"slots must be below the cache's num_blocks * block_size ({capacity}), got "
             f"{int(used.max())}"
         )
-    unique, counts = np.unique(used, return_counts=True)
-    if (counts > 1).any():
+    ordered = np.sort(used)
+    twice = ordered[1:] == ordered[:-1]
+    if twice.any():
+        slot = ordered[1:][twice][0]
         raise RopeValueError(
-            f"slots must be distinct (two tokens in one slot would race), got slot "
-            f"{int(unique[counts > 1][0])} {int(counts[counts > 1][0])} times"
+            f"slots must be distinct (two tokens in one slot would race), got slot {int(slot)} "
+            f"{int((used == slot).sum())} times"
         )
     return slots
 
 
-def _overlaps(named):
-    """Raise where two of the arrays read or written share memory (out may be q: in place)."""
-    items = list(named.items())
-    for i, (a_name, a) in enumerate(items):
-        for b_name, b in items[i + 1 :]:
-            if not (a.size and b.size):
-                continue
-            kind = _arrays.overlap_kind(a, b, NUMPY)
-            if kind == "none" or kind == "same" and {a_name, b_name} == {"q", "out"}:
-                continue
-            raise RopeValueError(f"{a_name} and {b_name} share memory")
+def _overlaps(read, written):
+    """Raise where an array written shares memory with another array (out may be q: in place);
+    the arrays only read may share theirs (q, k and v of one QKV buffer)."""
+    items = list(written.items())
+    pairs = [(a, b) for i, a in enumerate(items) for b in items[i + 1 :]]
+    pairs += [(a, b) for a in items for b in read.items()]
+    for (a_name, a), (b_name, b) in pairs:
+        if not (a.size and b.size):
+            continue
+        kind = _arrays.overlap_kind(a, b, NUMPY)
+        if kind == "none" or kind == "same" and {a_name, b_name} == {"q", "out"}:
+            continue
+        raise RopeValueError(f"{a_name} and {b_name} share memory")
 
 
 def _rows(rope, pos, n, dtype):
@@ -248,7 +254,7 @@ def rotate_into_cache(
     k_multiplier = 1.0 / _scale("k_scale", k_scale, k_cache)
     v_multiplier = 1.0 / _scale("v_scale", v_scale, v_cache)
     slots = _slots(slots, n, k_cache.shape[0] * block)
-    _overlaps({"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "out": out})
+    _overlaps({"q": q, "k": k, "v": v}, {"k_cache": k_cache, "v_cache": v_cache, "out": out})
     dtype = _arrays.compute_dtype(q.dtype)
     if n == 0:
         return out

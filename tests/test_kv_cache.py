@@ -105,6 +105,24 @@ def test_matches_rotate_qk_and_a_scatter(
     assert np.array_equal(bits(_rows(v_cache, layout)), bits(expected_v))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
+    # the test above judges both row paths by their bits; this one, that the vector steps serve
+    # the common case (views of a fused projection into aligned caches) and not the norm's
+    from arrayrope.backends.cpu import HARDWARE_F16, _fused
+
+    rope = ar.RoPE(128, style="half")
+    q, k, v = _qkv(rng, 4, 8, 2, 128, dtype, fused=True)
+    k_cache, v_cache = _caches(rng, 3, 16, 2, 128, dtype, layout)
+    cos = sin = np.zeros((10, 64), np.float64 if dtype == np.float64 else np.float32)
+    none, weight = np.empty(0, cos.dtype), np.ones(128, cos.dtype)
+    expected = dtype != np.float16 or HARDWARE_F16
+    assert _fused._vector(rope._spec, q, (np.empty_like(q),), none, cos, sin) == expected
+    assert _fused._vector(rope._spec, k, (k_cache, v_cache), none, cos, sin, v) == expected
+    assert not _fused._vector(rope._spec, k, (k_cache, v_cache), weight, cos, sin, v)
+
+
 def _rms64(x, weight, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)

@@ -9,6 +9,8 @@ token's table row is ``rows[t]`` of cos and sin. Arithmetic is float32 (float64 
 RMS accumulated in it, and every value is rounded once, at its store.
 """
 
+import functools
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -243,13 +245,25 @@ def fused_parallel(
 
 def _view(a):
     """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8) and the
-    element offset of a[0, ..., 0] in it."""
-    flat, base = flat_view(a)
-    bits = np.uint8 if a.dtype.name == "float8_e4m3fn" else _BITS.get(a.dtype.name)
+    element offset of a[0, ..., 0] in it. A view of a contiguous array (q, k and v of one QKV
+    buffer) is addressed through that array: flat_view's general way costs more than the
+    kernel of a decode step."""
+    owner = a.base
+    if a.flags.c_contiguous:
+        flat, base = a.reshape(-1), 0
+    elif type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
+        flat = owner.reshape(-1)
+        base = (a.ctypes.data - owner.ctypes.data) // a.itemsize  # aligned: see addressable
+    else:
+        flat, base = flat_view(a)
+    bits = _bits(a.dtype)
     return (flat if bits is None else flat.view(bits)), base
 
 
-_BITS = {"float16": np.int16, "bfloat16": np.uint16}
+@functools.cache
+def _bits(dtype):
+    """The integer type the kernel reads a dtype's elements as, or None for its own."""
+    return {"float16": np.int16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype.name)
 
 
 def _strides(a, base, axes):
@@ -268,14 +282,15 @@ def _vector(spec, x, targets, weight, cos, sin, other=None):
     block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
     if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
         return False
-    if x.dtype.name == "float16" and not HARDWARE_F16:
+    if x.dtype == np.float16 and not HARDWARE_F16:
         return False
     if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
         return False
     for target in targets:
         if target.dtype != x.dtype or target.ctypes.data % 16:
             return False
-        if any(stride % 16 for size, stride in zip(target.shape, target.strides) if size > 1):
+        rows = zip(target.shape[:-1], target.strides[:-1])  # the feature axis is contiguous
+        if any(stride % 16 for size, stride in rows if size > 1):
             return False
     return other is None or other.dtype == x.dtype
 
@@ -301,7 +316,7 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
         k_weight, eps, k_multiplier, v_multiplier, vector,
     )  # fmt: skip
     size = n * (hq + 2 * hkv) * d
-    if size >= _config.CONFIG.small_below and _config.threads_usable():
+    if size >= _config.CONFIG.serial_below and _config.threads_usable():
         tasks = min(n, 16 * numba.get_num_threads())
         _config.run_parallel(fused_parallel, *args, tasks, n)
     else:
