@@ -455,6 +455,11 @@ def main():
         print("\nhead sizes x rotary fractions x styles x dtypes (bench/shapes.py):")
         matrix = shape_matrix.matrix(512 if args.quick else 2048, 3 if args.quick else 5)
         print(shape_matrix.report(matrix))
+        import kv_cache
+
+        fused = kv_cache.rows(5 if args.quick else 15)
+        print("\nthe fused inference step, rotate_into_cache (bench/kv_cache.py):")
+        print(kv_cache.report(fused))
         against = frameworks.framework_rows(repeats=max(3, repeats // 2))
         print("\nagainst other implementations (float32, half style), us per call:")
         for shape, name, seconds in against:
@@ -507,7 +512,7 @@ def main():
             decode,
             rows,
             sweep,
-            (against, accuracy, long_context, matrix),
+            (against, accuracy, long_context, matrix, fused),
             dask_line,
             date,
         )

@@ -57,8 +57,9 @@ def _fmt(v, spec):
 
 def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
-    context sweep (prefill rows, decode steps) and the shape matrix, as bench.py makes them."""
-    frameworks, accuracy, (prefill, decode_at), matrix = measured
+    context sweep (prefill rows, decode steps), the shape matrix and the fused inference step's
+    rows, as bench.py makes them."""
+    frameworks, accuracy, (prefill, decode_at), matrix, fused = measured
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -211,6 +212,22 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
             [
                 (d, rd, style, dtype, mode, f"{ms:.3f}", f"{ratio:.2f}", _fmt(vs, ".2f"))
                 for d, rd, style, dtype, mode, ms, ratio, vs in matrix
+            ],
+        ),
+        "",
+        "## Fused inference step",
+        "",
+        "`RoPE.rotate_into_cache` (bench/kv_cache.py): q (N, 32, 128), k and v (N, 8, 128) views "
+        "of one fused projection, into a paged NHD cache of 16-slot blocks, half style. "
+        "`unfused` is `rotate_qk(..., out=)` and two NumPy scatters into the cache; `copy` the "
+        "fastest copy of the projection's bytes. Prefill: 2048 tokens at consecutive slots; "
+        "decode: 32 tokens at mixed positions and scattered slots. Best of rounds.",
+        "",
+        _table(
+            ["step", "dtype", "fused us", "unfused us", "speedup", "copy us", "of copy"],
+            [
+                (step, dtype, f"{f:.1f}", f"{u:.1f}", f"{u / f:.2f}x", f"{c:.1f}", f"{c / f:.2f}")
+                for step, dtype, f, u, c in fused
             ],
         ),
     ]

@@ -197,6 +197,10 @@ def run_case(spec):
         _check_result(result, expected, before, rotary_dim)
         return
 
+    if op == "into_cache":
+        _into_cache(rope, spec, rng, dtype, side)
+        return
+
     # rotate_qk: k with fewer heads (grouped-query attention), or q and k as views of one
     # fused QKV buffer, rotated in place.
     if op == "qk_fused":
@@ -241,6 +245,41 @@ def run_case(spec):
         assert (k.view(np.uint8) == k0.view(np.uint8)).all(), "k was written"
 
 
+def _into_cache(rope, spec, rng, dtype, side):
+    """RoPE.rotate_into_cache: q, k and v of ``spec["shape"][0]`` tokens, views of one fused
+    projection in ``layout``; both caches guarded, their first and last slots written, so a
+    cache row sits flush against the guard; rotate_qk and a NumPy scatter of copies on plain
+    allocations judge every bit."""
+    n, d = spec["shape"][0], spec["shape"][-1]
+    hq, hkv = 3, 1 + spec["seed"] % 2
+    fused = make_array(rng, (n, hq + 2 * hkv, d), dtype, spec["layout"], side)
+    q, k, v = fused[:, :hq], fused[:, hq : hq + hkv], fused[:, hq + hkv :]
+    layout, block = ("NHD", "HND")[spec["seed"] % 2], 1 + spec["seed"] % 4
+    blocks = -(-(n + 2) // block)
+    shape = (blocks, block, hkv, d) if layout == "NHD" else (blocks, hkv, block, d)
+    caches = [make_array(rng, shape, dtype, spec["out_layout"], side) for _ in "kv"]
+    slots = rng.permutation(np.arange(1, blocks * block - 1))[:n]
+    slots[: min(n, 2)] = [0, blocks * block - 1][: min(n, 2)]
+    slots[rng.random(n) < 0.2] = -1  # padding
+    given = spec["pos"] if spec["pos"]["kind"] != "none" else {"kind": "array"}  # pos required
+    pos, oracle_pos = _positions(rng, given, (n,), rope.n_axes, side)
+    copies = [a.copy() for a in (fused, *caches)]
+    per_token = oracle_pos if np.ndim(oracle_pos) == 0 else np.asarray(oracle_pos)[:, None]
+    want_q, want_k = rope.rotate_qk(q.copy(), k.copy(), per_token)
+    got = rope.rotate_into_cache(q, k, v, pos, *caches, slots, cache_layout=layout)
+    assert (got.view(np.uint8) == want_q.view(np.uint8)).all(), "q's rotation"
+    assert (fused.view(np.uint8) == copies[0].view(np.uint8)).all(), "the projection was written"
+    used = slots >= 0
+    for cache, before, rows in zip(caches, copies[1:], (want_k, copies[0][:, hq + hkv :])):
+        if layout == "HND":
+            cache, before = cache.transpose(0, 2, 1, 3), before.transpose(0, 2, 1, 3)
+        expected = before.reshape(-1, hkv, d).copy()
+        expected[slots[used]] = rows[used]
+        assert (cache.reshape(-1, hkv, d).view(np.uint8) == expected.view(np.uint8)).all(), (
+            "the cache's rows"
+        )
+
+
 def describe(spec):
     """A one-line name for a case."""
     r = spec["rope"]
@@ -254,7 +293,7 @@ def describe(spec):
     )
 
 
-_OPS = ("alloc", "out", "inplace", "qk", "qk_out", "qk_fused")
+_OPS = ("alloc", "out", "inplace", "qk", "qk_out", "qk_fused", "into_cache")
 _LAYOUTS = ("contiguous", "reversed", "gap", "misaligned")
 _POS = ("none", "int", "array", "edge", "past", "float")
 
@@ -285,6 +324,8 @@ def standard_cases(large=False):
                             lead = (2, 3, 4)
                         if op == "qk_fused" and layout in ("reversed", "gap"):
                             layout = "contiguous"
+                        if op == "into_cache":  # tokens
+                            lead = ((1, 5, 17)[index % 3],)
                         rope = {"kind": "plain", "head_dim": d, "rotary_dim": rd, "style": style}
                         if pos in ("edge", "past"):
                             rope["max_positions"] = EDGE
@@ -330,7 +371,7 @@ def standard_cases(large=False):
     if large:
         for dtype in DTYPE_NAMES:
             for style in ("interleaved", "half"):
-                for op in ("alloc", "out", "inplace", "qk"):
+                for op in ("alloc", "out", "inplace", "qk", "into_cache"):
                     cases.append(
                         {
                             "rope": {
@@ -341,7 +382,7 @@ def standard_cases(large=False):
                             },
                             "op": op,
                             "dtype": dtype,
-                            "shape": [1, 8, 300, 128],
+                            "shape": [300, 128] if op == "into_cache" else [1, 8, 300, 128],
                             "layout": ("contiguous", "reversed", "gap")[index % 3],
                             "out_layout": ("contiguous", "gap")[index % 2],
                             "side": ("after", "before")[index % 2],

@@ -1,0 +1,146 @@
+"""The fused inference step: ``RoPE.rotate_into_cache`` against the best unfused sequence and
+against a copy of the bytes it moves, each measured in the same run.
+
+    python bench/kv_cache.py           # prefill of 2048 tokens, a decode batch of 32
+    python bench/kv_cache.py --quick   # fewer rounds
+
+q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches are paged,
+(blocks, 16, 8, 128) NHD; half style.
+
+- unfused: ``rope.rotate_qk(q, k, pos, out=(q_out, k_out))``, then
+  ``k_cache.reshape(-1, 8, 128)[slots] = k_out`` and the same for v;
+- fused: ``rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q_out)``;
+- copy: the fastest of np.copyto and a threaded Numba copy of the projection into a buffer of
+  its size: the bytes the fused step reads and writes once each.
+
+Prefill: 2048 tokens at positions 100..2147 into consecutive slots; decode: 32 tokens at mixed
+positions below 30,000, into slots scattered over a 4096-slot cache. ``bench/bench.py`` prints
+the same rows.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+
+
+def _case(n, dtype, decode):
+    """The arrays of one step and its three callables: unfused, fused, copy."""
+    from numba import njit, prange
+
+    import arrayrope as ar
+
+    @njit(parallel=True, cache=True)
+    def threaded_copy(src, dst):
+        for i in prange(src.size):
+            dst[i] = src[i]
+
+    rng = np.random.default_rng(0)
+    rope = ar.RoPE(D, style="half")
+    qkv = rng.standard_normal((n, (HQ + 2 * HKV) * D)).astype(dtype)
+    q = qkv[:, : HQ * D].reshape(n, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
+    v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D)
+    blocks = 256 if decode else n // BLOCK + 64
+    k_cache = np.ones((blocks, BLOCK, HKV, D), dtype)  # touched: no page faults in the timing
+    v_cache = np.ones_like(k_cache)
+    if decode:
+        pos = rng.integers(0, 30_000, n)
+        slots = rng.permutation(blocks * BLOCK)[:n]
+    else:
+        pos = np.arange(n) + 100
+        slots = np.arange(n) + 4 * BLOCK
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    k_rows, v_rows = k_cache.reshape(-1, HKV, D), v_cache.reshape(-1, HKV, D)
+    per_token = pos[:, None]  # every head at its token's position
+
+    def unfused():
+        rope.rotate_qk(q, k, per_token, out=(q_out, k_out))
+        k_rows[slots] = k_out
+        v_rows[slots] = v
+
+    def fused():
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q_out)
+
+    src, dst = qkv.reshape(-1), np.empty(qkv.size, qkv.dtype)
+    s8, d8 = src.view(np.uint8), dst.view(np.uint8)
+
+    def copy():
+        np.copyto(dst, src)
+
+    def threaded():
+        threaded_copy(s8, d8)
+
+    return {"unfused": unfused, "fused": fused, "copy": copy, "threaded copy": threaded}
+
+
+def _best(cases, rounds, calls):
+    """{name: best seconds per call}, the cases taking turns each round (a batch of ``calls``
+    calls each), so that a slow stretch of the machine falls on all alike."""
+    for fn in cases.values():
+        fn()
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
+def rows(rounds):
+    """[(step, dtype, fused us, unfused us, copy us)] for prefill and decode, float32 and
+    bfloat16."""
+    import ml_dtypes
+
+    found = []
+    for step, n, calls in (("prefill", 2048, 1), ("decode", 32, 200)):
+        for dtype in (np.float32, ml_dtypes.bfloat16):
+            best = _best(_case(n, dtype, step == "decode"), rounds, calls)
+            ceiling = min(best["copy"], best["threaded copy"])
+            found.append(
+                (
+                    step,
+                    np.dtype(dtype).name,
+                    best["fused"] * 1e6,
+                    best["unfused"] * 1e6,
+                    ceiling * 1e6,
+                )
+            )
+    return found
+
+
+def report(found):
+    lines = [
+        f"  {'step':8s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
+        f"{'copy us':>9s} {'of copy':>8s}"
+    ]
+    for step, dtype, fused, unfused, copy in found:
+        lines.append(
+            f"  {step:8s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
+            f"{copy:9.1f} {copy / fused:8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    print(
+        f"rotate_into_cache, q {HQ} heads, k and v {HKV}, d {D}, NHD cache of {BLOCK}-slot "
+        "blocks (best of rounds):"
+    )
+    print(report(rows(5 if args.quick else 15)))
+
+
+if __name__ == "__main__":
+    main()
