@@ -2,8 +2,9 @@
 cache in one pass (the CPU kernel in backends/cpu/_fused).
 
 Every check comes before the launch, so that nothing is written on a refusal: shapes and dtypes,
-the cache layout, slots in range and each used once (two tokens in one slot would race), and no
-cache, q, k, v or result in another's memory. Table rows: integer positions inside the cache
+the cache layout, slots in range and each used once (two tokens in one slot would race), no
+array written (caches, result) in another's memory or in its own twice over; q, k and v, only
+read, may share theirs. Table rows: integer positions inside the cache
 read it; others (past it, real-valued, multi-axis) get one row per token, made for the call.
 """
 
@@ -28,11 +29,8 @@ def _fp8(dtype):
 
 
 def _operand(name, a, shape, dtype, written=False):
-    if _arrays.family(a) != NUMPY:
-        raise RopeTypeError(
-            f"{name} must be a NumPy array (rotate_into_cache runs on the CPU), got "
-            f"{_arrays.describe(a)}"
-        )
+    """Raise unless the NumPy array ``a`` has ``shape`` and ``dtype`` (and, if ``written``, can
+    take the kernel's writes)."""
     if a.shape != shape:
         raise RopeValueError(f"{name} must have shape {shape}, got {a.shape}")
     if a.dtype != dtype:
@@ -43,6 +41,11 @@ def _operand(name, a, shape, dtype, written=False):
         raise RopeValueError(
             f"{name} must have a contiguous feature axis and element-aligned strides, got "
             f"strides {a.strides}"
+        )
+    if written and _arrays.self_overlapping(a):
+        raise RopeValueError(
+            f"{name} has elements that share memory (strides {a.strides}): parallel writes "
+            "to it would race"
         )
 
 
@@ -81,13 +84,13 @@ def _slots(slots, n, capacity):
         raise RopeTypeError(f"slots must hold integers, got dtype {slots.dtype}")
     if slots.shape != (n,):
         raise RopeValueError(f"slots must have shape ({n},), one per token, got {slots.shape}")
-    slots = slots.astype(np.int64)
-    used = slots[slots >= 0]
+    used = slots[slots >= 0]  # in slots' own type: a uint64 past int64's range stays large
     if used.size and used.max() >= capacity:
         raise RopeValueError(
             f"slots must be below the cache's num_blocks * block_size ({capacity}), got "
             f"{int(used.max())}"
         )
+    slots, used = slots.astype(np.int64), used.astype(np.int64)
     ordered = np.sort(used)
     twice = ordered[1:] == ordered[:-1]
     if twice.any():
@@ -114,18 +117,23 @@ def _overlaps(read, written):
         raise RopeValueError(f"{a_name} and {b_name} share memory")
 
 
-def _rows(rope, pos, n, dtype):
-    """(cos, sin, rows): the tables and each token's row in them."""
-    spec = rope._spec
-    kind, value = _positions.resolve(pos, spec.n_axes)
+def _resolved(pos, n_axes):
+    kind, value = _positions.resolve(pos, n_axes)
     if kind == _positions.NONE:
         raise RopeValueError("pos is required: one position per token")
+    return kind, value
+
+
+def _rows(rope, pos, n, dtype, seq_len):
+    """(cos, sin, rows): the tables and each token's row in them."""
+    spec = rope._spec
+    kind, value = _resolved(pos, spec.n_axes)
     if kind == _positions.INT:
         value = np.full((n,) + ((spec.n_axes,) if spec.n_axes > 1 else ()), value)
     values = _positions.with_axes(np.asarray(value), spec.n_axes, [(n,)])
     values = np.broadcast_to(values, (n, spec.n_axes))
     values, is_int, high = _positions.check_values(np.ascontiguousarray(values))
-    seq_len = _positions.seq_len_for(spec.dynamic, None, high)
+    seq_len = _positions.seq_len_for(spec.dynamic, seq_len, high)
     tables = rope._engine.freq_set(seq_len).tables
     if is_int and spec.n_axes == 1:
         cached = tables.cached(np, None, dtype, int(high))
@@ -158,6 +166,7 @@ def rotate_into_cache(
     norm_eps: float = 1e-6,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    seq_len: int | None = None,
 ):
     """One step of an inference loop in one pass: q rotated, k rotated into the key cache and v
     copied into the value cache at each token's slot, each read once.
@@ -188,11 +197,16 @@ def rotate_into_cache(
     q_norm, k_norm : float arrays, shape (head_dim,), optional
         RMSNorm weights: each head of q (k) is normalized before its rotation, ``x /
         sqrt(mean(x**2) + norm_eps) * weight``, accumulated in float32 (float64 for float64):
-        the QK-norm of Qwen3, Gemma 3 and OLMo 2.
+        the per-head QK-norm of Qwen3. Gemma 3's norm scales by ``1 + weight``: pass that.
     norm_eps : float
     k_scale, v_scale : float, optional
-        For a float8 cache: values are divided by the scale, rounded once and saturated at the
-        format's largest value (448).
+        For a float8 cache: values are multiplied by 1 / scale (in the compute dtype), rounded
+        to float8 and saturated at the format's largest value (448). The rounding is from
+        float32: float64 values round to float32 first.
+    seq_len : int, optional
+        The current length for a length-dependent scaling rule (DynamicNTK, LongRoPE), as for
+        :meth:`rotate`: say it where padding tokens or a longer cache should not (or should)
+        count; default max(pos) + 1 of the call's tokens, padding included.
 
     Returns
     -------
@@ -209,25 +223,28 @@ def rotate_into_cache(
 
     spec = self._spec
     d = spec.head_dim
-    if _arrays.family(q) != NUMPY or getattr(q, "ndim", 0) != 3:
-        raise RopeValueError(
-            f"q must be a NumPy array of shape (N, Hq, head_dim), got "
-            f"{getattr(q, 'shape', _arrays.describe(q))}"
-        )
+    arrays = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
+    for name, a in (arrays | ({} if out is None else {"out": out})).items():
+        if _arrays.family(a) != NUMPY:
+            raise RopeTypeError(
+                f"{name} must be a NumPy array (rotate_into_cache runs on the CPU), got "
+                f"{_arrays.describe(a)}"
+            )
+    if q.ndim != 3:
+        raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {q.shape}")
     _arrays.check_float("q", q, d)
     n, hq, _ = q.shape
-    if _arrays.family(k) != NUMPY or getattr(k, "ndim", 0) != 3:
-        raise RopeValueError(f"k must be a NumPy array of shape (N, Hkv, head_dim), got {k!r:.80}")
+    if k.ndim != 3:
+        raise RopeValueError(f"k must have shape (N, Hkv, head_dim), got {k.shape}")
     hkv = k.shape[1]
     _operand("k", k, (n, hkv, d), q.dtype)
     _operand("v", v, (n, hkv, d), q.dtype)
     if cache_layout not in LAYOUTS:
         raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
-    if _arrays.family(k_cache) != NUMPY or getattr(k_cache, "ndim", 0) != 4:
+    if k_cache.ndim != 4:
         axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
         raise RopeValueError(
-            f"k_cache must be a NumPy array (num_blocks, {axes}, head_dim), got "
-            f"{getattr(k_cache, 'shape', _arrays.describe(k_cache))}"
+            f"k_cache must have shape (num_blocks, {axes}, head_dim), got {k_cache.shape}"
         )
     block = k_cache.shape[1] if cache_layout == "NHD" else k_cache.shape[2]
     heads_axis = 2 if cache_layout == "NHD" else 1
@@ -237,7 +254,7 @@ def rotate_into_cache(
             f"head_dim={d}"
         )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not (cache.dtype == q.dtype or _fp8(getattr(cache, "dtype", q.dtype))):
+        if not (cache.dtype == q.dtype or _fp8(cache.dtype)):
             raise RopeTypeError(
                 f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
             )
@@ -248,7 +265,10 @@ def rotate_into_cache(
         _operand("out", out, q.shape, q.dtype, written=True)
     q_weight = _weights("q_norm", q_norm, d)
     k_weight = _weights("k_norm", k_norm, d)
-    eps = float(norm_eps)
+    try:
+        eps = float(norm_eps)
+    except (TypeError, ValueError):
+        raise RopeTypeError(f"norm_eps must be a number, got {norm_eps!r}") from None
     if not (math.isfinite(eps) and eps >= 0):
         raise RopeValueError(f"norm_eps must be finite and >= 0, got {norm_eps!r}")
     k_multiplier = 1.0 / _scale("k_scale", k_scale, k_cache)
@@ -257,8 +277,9 @@ def rotate_into_cache(
     _overlaps({"q": q, "k": k, "v": v}, {"k_cache": k_cache, "v_cache": v_cache, "out": out})
     dtype = _arrays.compute_dtype(q.dtype)
     if n == 0:
+        _resolved(pos, spec.n_axes)  # checked all the same
         return out
-    cos, sin, rows = _rows(self, pos, n, dtype)
+    cos, sin, rows = _rows(self, pos, n, dtype, seq_len)
     q_weight = q_weight.astype(dtype)
     k_weight = k_weight.astype(dtype)
     # inputs the kernel cannot address as they are go through a copy

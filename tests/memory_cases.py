@@ -250,17 +250,19 @@ def _into_cache(rope, spec, rng, dtype, side):
     projection in ``layout``; both caches guarded, their first and last slots written, so a
     cache row sits flush against the guard; rotate_qk and a NumPy scatter of copies on plain
     allocations judge every bit."""
-    n, d = spec["shape"][0], spec["shape"][-1]
-    hq, hkv = 3, 1 + spec["seed"] % 2
+    n, d, seed = spec["shape"][0], spec["shape"][-1], spec["seed"]
+    hq, hkv = 3, 1 + seed % 2  # each from its own bits of the seed
+    layout, block = ("NHD", "HND")[seed // 2 % 2], 1 + seed // 4 % 4
     fused = make_array(rng, (n, hq + 2 * hkv, d), dtype, spec["layout"], side)
     q, k, v = fused[:, :hq], fused[:, hq : hq + hkv], fused[:, hq + hkv :]
-    layout, block = ("NHD", "HND")[spec["seed"] % 2], 1 + spec["seed"] % 4
     blocks = -(-(n + 2) // block)
     shape = (blocks, block, hkv, d) if layout == "NHD" else (blocks, hkv, block, d)
     caches = [make_array(rng, shape, dtype, spec["out_layout"], side) for _ in "kv"]
-    slots = rng.permutation(np.arange(1, blocks * block - 1))[:n]
-    slots[: min(n, 2)] = [0, blocks * block - 1][: min(n, 2)]
-    slots[rng.random(n) < 0.2] = -1  # padding
+    last = blocks * block - 1
+    slots = rng.permutation(np.arange(1, last))[:n]
+    edges = [last, 0] if seed // 16 % 2 else [0, last]  # a lone token takes either edge
+    slots[: min(n, 2)] = edges[: min(n, 2)]
+    slots[2:][rng.random(max(n - 2, 0)) < 0.2] = -1  # padding, the edge slots kept
     given = spec["pos"] if spec["pos"]["kind"] != "none" else {"kind": "array"}  # pos required
     pos, oracle_pos = _positions(rng, given, (n,), rope.n_axes, side)
     copies = [a.copy() for a in (fused, *caches)]

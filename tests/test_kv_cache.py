@@ -83,7 +83,7 @@ def test_matches_rotate_qk_and_a_scatter(
     pos = rng.integers(0, high, size=shape)
     if positions == "real":
         pos = pos + rng.random(shape)
-    q_original = q.copy()
+    q_original, k_before, v_before = q.copy(), k.copy(), v.copy()
     want_q, want_k = rope.rotate_qk(q, k, pos[:, None])  # every head at its token's position
     kw = dict(cache_layout=layout)
     if where == "new":
@@ -97,6 +97,9 @@ def test_matches_rotate_qk_and_a_scatter(
         got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q, **kw)
         assert got is q
     assert np.array_equal(bits(got), bits(want_q))
+    if where != "in place":
+        assert np.array_equal(bits(q), bits(q_original))
+    assert np.array_equal(bits(k), bits(k_before)) and np.array_equal(bits(v), bits(v_before))
     expected_k, expected_v = _rows(before_k, layout).copy(), _rows(before_v, layout).copy()
     used = slots >= 0
     expected_k[slots[used]] = want_k[used]
@@ -177,6 +180,65 @@ def test_float8_caches_are_scaled_rounded_once_and_saturated(rng):
     assert np.isnan(float(got_v[0, 0, 2]))
 
 
+def test_no_tokens_still_checks_positions(rng):
+    rope = ar.RoPE(16)
+    q, k, v = _qkv(rng, 0, 2, 1, 16, np.float32, False)
+    k_cache, v_cache = _caches(rng, 2, 4, 1, 16, np.float32, "NHD")
+    with pytest.raises(ar.RopeValueError, match="pos is required"):
+        rope.rotate_into_cache(q, k, v, None, k_cache, v_cache, np.zeros(0, np.int64))
+
+
+def test_float8_bits_are_the_float32_values_times_the_reciprocal_rounded(rng):
+    n, hkv, d = 16, 2, 32
+    rope = ar.RoPE(d)
+    q, k, v = _qkv(rng, n, 2, hkv, d, np.float32, True)
+    k *= 100  # across the float8 range, saturated included
+    k_cache, v_cache = (np.zeros((4, hkv, 8, d), FP8) for _ in "kv")
+    slots, pos = rng.permutation(32)[:n], rng.integers(0, 10**6, n)
+    rope.rotate_into_cache(
+        q, k, v, pos, k_cache, v_cache, slots, cache_layout="HND", k_scale=3.0, v_scale=0.7
+    )
+    k_rot = rope.rotate(k, pos[:, None])
+
+    def float8(values, scale):
+        scaled = values * np.float32(1 / scale)  # float32 arithmetic
+        return np.clip(scaled, -448, 448).astype(FP8).view(np.uint8)
+
+    assert np.array_equal(_rows(k_cache, "HND")[slots].view(np.uint8), float8(k_rot, 3.0))
+    assert np.array_equal(_rows(v_cache, "HND")[slots].view(np.uint8), float8(v, 0.7))
+
+
+def test_views_that_start_between_their_owners_elements(rng):
+    # a float32 view 3 bytes into its owner: the launcher must not address it through the owner
+    n, hq, d = 10, 3, 16
+    buffer = bytearray(4 * n * 2 * hq * d + 8)
+    owner = np.frombuffer(buffer, np.float32, count=n * 2 * hq * d + 1, offset=1)
+    shifted = owner.view(np.uint8)[3 : 3 + 4 * n * 2 * hq * d].view(np.float32)
+    q = shifted.reshape(n, 2 * hq, d)[:, ::2]
+    q[...] = rng.standard_normal(q.shape)
+    assert q.base is owner and q.ctypes.data % 4 == 0
+    rope = ar.RoPE(d, style="half")
+    k, v = _qkv(rng, n, hq, 1, d, np.float32, False)[1:]
+    k_cache, v_cache = _caches(rng, 3, 4, 1, d, np.float32, "NHD")
+    pos, slots = rng.integers(0, 5000, n), rng.permutation(12)[:n]
+    got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+    assert np.array_equal(bits(got), bits(rope.rotate(q.copy(), pos[:, None])))
+
+
+def test_seq_len_gives_a_length_dependent_rule_its_length(rng):
+    rope = ar.RoPE(32, scaling=ar.scaling.DynamicNTK(2.0, 64))
+    q, k, v = _qkv(rng, 5, 4, 2, 32, np.float32, True)
+    k_cache, v_cache = _caches(rng, 2, 4, 2, 32, np.float32, "NHD")
+    pos, slots = np.array([3, 9, 1, 0, 40]), np.array([7, 0, 3, -1, 2])
+    got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, seq_len=500)
+    want_q, want_k = rope.rotate_qk(q, k, pos[:, None], seq_len=500)
+    assert np.array_equal(bits(got), bits(want_q))
+    assert np.array_equal(bits(_rows(k_cache, "NHD")[[7, 0, 3, 2]]), bits(want_k[[0, 1, 2, 4]]))
+    default = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+    assert np.array_equal(bits(default), bits(rope.rotate(q, pos[:, None])))  # max(pos) + 1
+    assert not np.array_equal(bits(default), bits(got))
+
+
 def test_refusals_write_nothing(rng):
     n, hq, hkv, d = 4, 2, 1, 16
     rope = ar.RoPE(d)
@@ -203,6 +265,21 @@ def test_refusals_write_nothing(rng):
             ar.RopeValueError,
             "share memory",
         ),  # fmt: skip
+        (
+            {
+                "out": np.lib.stride_tricks.as_strided(
+                    np.empty((1, hq, d), np.float32), (n, hq, d), (0, 4 * d, 4), writeable=True
+                )
+            },
+            ar.RopeValueError,
+            "out has elements that share memory",
+        ),  # fmt: skip
+        ({"slots": np.array([0, 1, 2, 2**63 + 5], np.uint64)}, ar.RopeValueError, "below"),
+        ({"v_cache": None}, ar.RopeTypeError, "v_cache must be a NumPy array"),
+        ({"q": q.tolist()}, ar.RopeTypeError, "q must be a NumPy array"),
+        ({"norm_eps": "small"}, ar.RopeTypeError, "norm_eps must be a number"),
+        ({"seq_len": 10}, ar.RopeValueError, "seq_len applies to length-dependent"),
+        ({"pos": None}, ar.RopeValueError, "pos is required"),
     ]
     for change, error, message in cases:
         args = dict(q=q, k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache, slots=slots)

@@ -248,16 +248,21 @@ def _view(a):
     element offset of a[0, ..., 0] in it. A view of a contiguous array (q, k and v of one QKV
     buffer) is addressed through that array: flat_view's general way costs more than the
     kernel of a decode step."""
-    owner = a.base
     if a.flags.c_contiguous:
-        flat, base = a.reshape(-1), 0
-    elif type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
-        flat = owner.reshape(-1)
-        base = (a.ctypes.data - owner.ctypes.data) // a.itemsize  # aligned: see addressable
-    else:
+        return _bits_view(a.reshape(-1), a.dtype), 0
+    owner, apart = a.base, 1
+    if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
+        base, apart = divmod(a.ctypes.data - owner.ctypes.data, a.itemsize)
+    if apart:  # no such owner, or a starts between its elements (a byte-shifted view)
         flat, base = flat_view(a)
-    bits = _bits(a.dtype)
-    return (flat if bits is None else flat.view(bits)), base
+    else:
+        flat = owner.reshape(-1)
+    return _bits_view(flat, a.dtype), base
+
+
+def _bits_view(flat, dtype):
+    bits = _bits(dtype)
+    return flat if bits is None else flat.view(bits)
 
 
 @functools.cache
