@@ -15,23 +15,15 @@ BLOCK_BYTES = 1 << 20
 def filled(plan, xs, resolved, tables, inverse, results, in_place):
     """Rotate into ``results`` by the CPU's direct path with each position's row filled from
     the level tables inside the kernel (``backends.cpu.launch_filled``): no per-call rows, and
-    each row made once per run of rows at its position. The leading axes along which the
-    positions broadcast (heads, mostly) go innermost, so that a position's rows are adjacent.
-    False, with nothing written, where that path cannot take the call (a multi-axis RoPE,
-    another backend, a layout the direct path refuses)."""
+    each row made once for all the rows at its position. False, with nothing written, where
+    that path cannot take the call (a multi-axis RoPE, another backend, a layout the direct
+    path refuses)."""
     if plan.launch_filled is None or plan.spec.n_axes != 1:
         return False
     operands, write_back = [], []
     for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):
-        if x.size == 0:
-            continue
-        x, out, idx = plan.operand(x, out, values, same, write_back)
-        lead = range(x.ndim - 1)
-        inner = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
-        order = [a for a in lead if a not in inner] + inner + [x.ndim - 1]
-        moved = x.transpose(order)
-        out = moved if out is x else out.transpose(order)
-        operands.append((moved, out, idx.transpose(order)))
+        if x.size:
+            operands.append(plan.operand(x, out, values, same, write_back))
     if not operands:
         return True
     _, inv_freq, levels = tables.level_arrays()

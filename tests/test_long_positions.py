@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import arrayrope as ar
 from arrayrope import _past_cap
+from arrayrope.backends import cpu
 from arrayrope.backends.cpu import _config
 from arrayrope.backends.cpu._angles import DIGIT, LEVEL_ROWS
 from arrayrope.scaling import Linear, Llama3, YaRN
@@ -21,8 +22,11 @@ large_positions = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**31 - 1))
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of a few positions, so that small arrays cross many block edges."""
+    """Blocks of a few positions, so that small arrays cross many block edges; on the filled
+    route, buffers of a few rows (7 of float32 at rotary_dim 16), so that they cross chunk
+    edges and leave rows past the last whole chunk."""
     monkeypatch.setattr(_past_cap, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(cpu, "_FILL_BYTES", 7 * 2 * 8 * 4)
 
 
 def _ulps(a, b, dtype):

@@ -10,6 +10,7 @@ Two launch strategies, chosen by the plan:
   made in the kernel.
 """
 
+import numba
 import numpy as np
 
 from ... import _arrays
@@ -74,25 +75,85 @@ def launch(spec, operands, cos, sin, inverse):
 
 def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     """Rotate one or two operands (as :func:`launch`) by the direct path with each position's
-    row filled from the level tables (see ``_angles``) in the kernel, once per run of rows at
-    that position, into a one-row block per task: no per-call table. ``operands`` hold
-    (x, out, positions) with positions as launch's idx, int64 in [0, 2**31), one axis; the
-    caller orders the leading axes so that rows at one position are adjacent. Returns the way
-    results were stored (DIRECT or VECTOR), or 0, with nothing written, where the direct path
-    cannot take the operands."""
-    row = np.empty((2, 1, inv_freq.size), dtype)
+    row filled from the level tables (see ``_angles``) in the kernel: no per-call table.
+    ``operands`` hold (x, out, positions) with positions as launch's idx, int64 in [0, 2**31),
+    one axis. Each task fills the rows of a chunk of rows into a buffer of ``_FILL_BYTES``
+    and rotates every row at those positions before the next chunk (see :func:`_chunked`).
+    Returns the way results were stored (DIRECT or VECTOR), or 0, with nothing written, where
+    the direct path cannot take the operands."""
+    rows = max(1, _FILL_BYTES // (2 * inv_freq.size * dtype.itemsize))
+    rows = min(rows, max(idx.size // idx.shape[-1] for _, _, idx in operands))
+    buf = np.empty((2, rows, inv_freq.size), dtype)
     segments = spec.segments
-    if not STREAMING or not direct_path(spec, operands, segments, row[0], row[1]):
+    if not STREAMING or not direct_path(spec, operands, segments, buf[0], buf[1]):
         return 0
-    g = geometry(operands, flat=True)
     stream = DIRECT if _streams(operands) else VECTOR
-    args = _flat_operands(operands, stream) + (g, levels, inv_freq, segments)
-    args += (spec.rotary_dim, operands[0][0].shape[-1], spec.half_style, inverse, scale)
-    rows = _rows_of(operands)
-    parallel = _parallel_launch(operands)
-    tasks = scratch_blocks(None if parallel else 1, rows, 1, dtype, False).shape[0]
-    _run(FILLED_KERNELS[stream], args, np.empty((tasks,) + row.shape, dtype), rows, parallel)
+    parts = [part for operand in operands for part in _chunked(operand, rows)]
+    for at in range(0, len(parts), 2):
+        pair = parts[at : at + 2]
+        g = geometry(pair, flat=True)
+        args = _flat_operands(pair, stream) + (g, levels, inv_freq, segments)
+        args += (spec.rotary_dim, pair[0][0].shape[-1], spec.half_style, inverse, scale)
+        parallel = _parallel_launch(pair)
+        # one task per thread: a buffer each, and a chunk's rows are split only at its edges
+        tasks = numba.get_num_threads() if parallel else 1
+        scratch = np.empty((tasks,) + buf.shape, dtype)
+        _run(FILLED_KERNELS[stream], args, scratch, _rows_of(pair), parallel)
     return stream
+
+
+# Bytes of a task's buffer of filled rows (see launch_filled). Its rows are a chunk's positions,
+# and each head's rows at them are one run in memory: the longer the runs, the closer the loop
+# comes to a copy's streaming (runs of tens of KiB per head, a buffer in the first-level cache,
+# fall well short of it). A megabyte keeps the buffer in the core's outer caches.
+_FILL_BYTES = 1 << 20
+
+
+def _chunked(operand, rows):
+    """An operand (x, out, positions) as views in the order the filled direct path takes its
+    rows: along the longest axis on which the positions vary, chunks of ``rows`` rows, each
+    chunk's rows at every index of the axes along which the positions broadcast (the heads,
+    mostly) before the next chunk; then the rows past the last whole chunk, the broadcast axes
+    innermost. Each position's row is then filled once, and each run of rows is read and
+    written in address order."""
+    x, out, idx = operand
+    lead = range(x.ndim - 1)
+    shared = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
+    varying = [a for a in lead if a not in shared]
+    if not shared or not varying:
+        return [operand]
+    axis = max(varying, key=lambda a: (x.shape[a], a))
+    chunks = x.shape[axis] // rows if rows > 1 else 0
+    cut = chunks * rows
+    arrays = (x, out, idx) if out is not x else (x, idx)
+    parts = []
+    if chunks:
+        shift = [a + (a > axis) for a in lead]
+        order = [shift[a] for a in varying if a != axis] + [axis]
+        order += [shift[a] for a in shared] + [axis + 1, x.ndim]
+        split = [_split(a[_along(axis, 0, cut)], axis, rows).transpose(order) for a in arrays]
+        parts.append(_operand(split))
+    if cut < x.shape[axis]:
+        order = varying + shared + [x.ndim - 1]
+        parts.append(_operand([a[_along(axis, cut, None)].transpose(order) for a in arrays]))
+    return parts
+
+
+def _along(axis, start, stop):
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def _split(a, axis, rows):
+    """``a`` with ``axis`` split into (chunks, rows): a view."""
+    shape = a.shape[:axis] + (a.shape[axis] // rows, rows) + a.shape[axis + 1 :]
+    step = a.strides[axis]
+    strides = a.strides[:axis] + (step * rows, step) + a.strides[axis + 1 :]
+    return np.lib.stride_tricks.as_strided(a, shape, strides, writeable=a.flags.writeable)
+
+
+def _operand(arrays):
+    """(x, out, idx) from views of x, out and idx, or of x and idx in place."""
+    return tuple(arrays) if len(arrays) == 3 else (arrays[0], arrays[0], arrays[1])
 
 
 def _stream(spec, operands, segments, cos, sin):

@@ -133,35 +133,61 @@ def _filling_impl(source):
     return lambda source: found
 
 
-def fill_row(source, m):
-    """Row 0 of ``buf`` from ``source = (levels, inv_freq, scale, buf)``: the row of position m
-    (in [0, 2**31), checked by the caller), as :func:`fill_rows` makes it; buf of shape
-    (2, 1, n_pairs). Nothing where ``source`` is None."""
+def fill_row(source, m, slot):
+    """Row ``slot`` of ``buf`` from ``source = (levels, inv_freq, scale, buf)``: the row of
+    position m (in [0, 2**31), checked by the caller), as :func:`fill_rows` makes it; buf of
+    shape (2, rows, n_pairs). Nothing where ``source`` is None."""
 
 
 @overload(fill_row)
-def _fill_row_impl(source, m):
+def _fill_row_impl(source, m, slot):
     if isinstance(source, types.NoneType):
-        return lambda source, m: None
+        return lambda source, m, slot: None
 
-    def fill(source, m):
+    def fill(source, m, slot):
         levels, inv_freq, scale, buf = source
         n = inv_freq.shape[0]
-        _row(m, 0, n, inv_freq, levels, scale, buf, np.uint64(0), _float64(buf))
+        _row(m, 0, n, inv_freq, levels, scale, buf, np.uint64(slot), _float64(buf))
 
     return fill
 
 
+def chunk_rows(source, run):
+    """Rows of a run that the direct path rotates between fills of ``source``'s buffer: its
+    rows (each row of a chunk has a slot), or the whole run where ``source`` is None."""
+
+
+@overload(chunk_rows)
+def _chunk_rows_impl(source, run):
+    if isinstance(source, types.NoneType):
+        return lambda source, run: max(run, 1)
+    return lambda source, run: source[3].shape[1]
+
+
 @njit(inline="always")
-def table_row(source, p, last, stride):
-    """(flat offset of the table row of a row at position or table row ``p``, the position
-    ``source`` now holds): with ``source`` None, p's row of a table of row stride ``stride``;
-    else row 0 of source's buffer, filled where p is not ``last``, the position it holds."""
+def fill_chunk(source, idx, start, step, count, held, held_rows):
+    """Fill ``source``'s buffer with the rows of the chunk of ``count`` rows whose positions
+    are idx[start + i * step] (one row where ``step`` is 0: they share a position), unless it
+    holds them already: ``held`` is the start of the chunk it holds, ``held_rows`` how many
+    rows. Returns the new (held, held_rows). Nothing where ``source`` is None."""
+    if not filling(source):
+        return held, held_rows
+    rows = count if step != 0 else 1
+    if start == held and rows <= held_rows:
+        return held, held_rows
+    for i in range(rows):
+        fill_row(source, idx[np.uint64(start + i * step)], i)
+    return start, rows
+
+
+@njit(inline="always")
+def table_row(source, idx, at, i, step, stride):
+    """Flat offset of the table row of row ``i`` of a chunk: with ``source`` None, the row
+    idx[at] of a table of row stride ``stride``; else the chunk's slot in source's buffer
+    (see :func:`fill_chunk`)."""
     if filling(source):
-        if p != last:
-            fill_row(source, p)
-        return np.uint64(0), p
-    return np.uint64(p) * stride, last
+        return np.uint64(i) * stride if step != 0 else np.uint64(0)
+    return np.uint64(idx[np.uint64(at)]) * stride
 
 
 @njit(inline="always")

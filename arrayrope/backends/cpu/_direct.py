@@ -11,7 +11,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._angles import table_row
+from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._ladder import ladder
 from ._runs import run_start
@@ -43,8 +43,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     block), rotated straight into o with streaming stores or (``nontemporal`` False) plain ones:
     a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv,
     source)`` for Numba. ``source`` None: idx holds table rows of cos and sin. Else idx holds
-    positions, and ``source`` (see ``_angles.fill_row``) fills the row of each new position
-    into the one-row tables cos and sin, once per run of rows at that position.
+    positions, and ``source`` (see ``_angles.fill_chunk``) fills the rows of each chunk of a
+    run into its buffer (cos and sin), one per row, or one where the run's rows share a
+    position; a chunk whose rows the buffer holds already (the same positions, at the next
+    head) is not filled again.
 
     In place, x is o (the tail past rotary_dim is then left as it is), or None for an in-place
     operand of rotate_qk beside one whose result streams: that operand's lines are read before
@@ -105,43 +107,46 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
             width = rotary_dim if _same(x, o) else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             n = np.uint64(rotary_dim)
-            last = np.int64(-1)  # the position whose row ``source`` holds
+            held, held_rows = np.int64(-1), np.int64(0)  # the chunk ``source`` holds
             row_at = first
             while row_at < stop:
                 xb, ob, pb, left = run_start(g, row_at)
                 run = min(left, stop - row_at)
                 row_at += run
-                block = max(run, 1) if width == rotary_dim else _TAIL_BLOCK_ROWS
-                for lo in range(0, run, block):
-                    hi = min(lo + block, run)
-                    if half:
-                        for r in range(lo, hi):
-                            p = idx[np.uint64(pb + r * sp + axis)]
-                            tb, last = table_row(source, p, last, stride)
-                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
-                            half_row(x, xr, o, orow, n, cos, sin, tb, inv)
-                    else:
-                        for r in range(lo, hi):
-                            p = idx[np.uint64(pb + r * sp + axis)]
-                            tb, last = table_row(source, p, last, stride)
-                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
-                            pair_row(x, xr, o, orow, n, cos, sin, tb, inv)
-                    if width > rotary_dim:
-                        # unsigned while loops: LLVM keeps a range with a runtime step here as a
-                        # loop that spills its registers
-                        step = np.uint64(_TAIL_STEP_BYTES // o.itemsize)
-                        step_16 = np.uint64(16 // o.itemsize)
-                        end = np.uint64(width)
-                        for r in range(lo, hi):
-                            xr = np.uint64(xb + r * sx)
-                            orow = np.uint64(ob + r * so)
-                            t = n
-                            while t + step <= end:
-                                copy_step(x, xr + t, o, orow + t)
-                                t += step
-                            while t < end:
-                                copy_16(x, xr + t, o, orow + t)
-                                t += step_16
+                chunk = chunk_rows(source, run)
+                for c0 in range(0, run, chunk):
+                    c1 = min(c0 + chunk, run)
+                    at = pb + c0 * sp + axis
+                    held, held_rows = fill_chunk(source, idx, at, sp, c1 - c0, held, held_rows)
+                    block = max(c1 - c0, 1) if width == rotary_dim else _TAIL_BLOCK_ROWS
+                    for lo in range(c0, c1, block):
+                        hi = min(lo + block, c1)
+                        if half:
+                            for r in range(lo, hi):
+                                tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
+                                xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                                half_row(x, xr, o, orow, n, cos, sin, tb, inv)
+                        else:
+                            for r in range(lo, hi):
+                                tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
+                                xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                                pair_row(x, xr, o, orow, n, cos, sin, tb, inv)
+                        if width > rotary_dim:
+                            # unsigned while loops: LLVM keeps a range with a runtime step here
+                            # as a loop that spills its registers
+                            step = np.uint64(_TAIL_STEP_BYTES // o.itemsize)
+                            step_16 = np.uint64(16 // o.itemsize)
+                            end = np.uint64(width)
+                            for r in range(lo, hi):
+                                xr = np.uint64(xb + r * sx)
+                                orow = np.uint64(ob + r * so)
+                                t = n
+                                while t + step <= end:
+                                    copy_step(x, xr + t, o, orow + t)
+                                    t += step
+                                while t < end:
+                                    copy_16(x, xr + t, o, orow + t)
+                                    t += step_16
             if nontemporal:
                 store_fence()
 

@@ -290,7 +290,7 @@ def rotate_range_vector(
 
 # The direct path with rows from the level tables (see launch_filled): idx holds positions, and
 # the arguments in the tables' and copy_tail's places are the level tables, the frequencies and
-# the rows' scale; each task's scratch block holds one row, filled for each new position.
+# the rows' scale; each task's scratch block is a buffer of rows (see launch_filled).
 @njit(cache=DISK_CACHE, nogil=True)
 def rotate_range_filled_direct(
     x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
