@@ -8,13 +8,15 @@ figure against its own in-cache counterpart or copy ceiling measured in the same
   2**12 to 2**20: GB/s, the fraction of the fastest copy of the same bytes (np.copyto, a
   threaded Numba copy), and the rate per element against T = 2**15's;
 - decode: (1, 32, 1, 128) float32 ``rope.rotate(x, p, out=o)`` at positions from 10**3 to
-  2**31 - 1, us per call, and each against position 1,000;
+  2**31 - 1, us per call, and each against position 1,000; the same at a new position past
+  the cache each call (the first layer of a decode step);
 - batch: eight such rows, one position per sequence, at small and at large mixed positions.
 
 ``bench/bench.py`` prints the same rows.
 """
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -27,6 +29,7 @@ sys.path.insert(0, HERE)
 
 DECODE_POSITIONS = (1_000, 60_000, 100_000, 1_000_000, 10_000_000, 2**31 - 1)
 CALLS = 500  # decode calls per timed batch
+NEW_EACH_CALL = "positions 10**6, 10**6 + 1, ... (a new one each call)"
 
 
 def _best_per_call(cases, rounds):
@@ -85,6 +88,9 @@ def decode_sweep(rounds):
     small = (np.arange(8) * 4_500 + 1_000).reshape(8, 1, 1)
     large = np.random.default_rng(2).integers(100_000, 2**31, 8).reshape(8, 1, 1)
     cases = {p: (lambda p=p: rope.rotate(x, p, out=o)) for p in DECODE_POSITIONS}
+    # a decode step repeats its position once per layer; this is each step's first call
+    steps = itertools.count(10**6)
+    cases[NEW_EACH_CALL] = lambda: rope.rotate(x, next(steps), out=o)
     cases["batch small"] = lambda: rope.rotate(batch, small, out=b_out)
     cases["batch large"] = lambda: rope.rotate(batch, large, out=b_out)
     best = _best_per_call(cases, rounds)
@@ -101,6 +107,8 @@ def report(prefill, decode):
     base = decode[DECODE_POSITIONS[0]]
     for p in DECODE_POSITIONS:
         lines.append(f"  position {p:>13,}: {decode[p]:7.2f} us  ({decode[p] / base:.2f}x)")
+    new = decode[NEW_EACH_CALL]
+    lines.append(f"  {NEW_EACH_CALL}: {new:.2f} us  ({new / base:.2f}x)")
     small, large = decode["batch small"], decode["batch large"]
     lines.append(
         f"  batch of 8 rows, pos (8, 1, 1): small positions {small:.2f} us, large (1e5 to "

@@ -193,7 +193,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
                 (
                     f"position {k:,}" if isinstance(k, int) else k,
                     f"{us:.2f}",
-                    f"{us / decode_at[first if isinstance(k, int) else 'batch small']:.2f}x",
+                    f"{us / decode_at['batch small' if str(k).startswith('batch') else first]:.2f}x",
                 )
                 for k, us in decode_at.items()
             ],
