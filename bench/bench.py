@@ -460,6 +460,11 @@ def main():
         fused = kv_cache.rows(5 if args.quick else 15)
         print("\nthe fused inference step, rotate_into_cache (bench/kv_cache.py):")
         print(kv_cache.report(fused))
+        import ggml_rope
+
+        llama = ggml_rope.rows(3 if args.quick else 7)
+        print("\nagainst llama.cpp's rope (bench/ggml_rope.py):")
+        print(ggml_rope.report(llama))
         against = frameworks.framework_rows(repeats=max(3, repeats // 2))
         print("\nagainst other implementations (float32, half style), us per call:")
         for shape, name, seconds in against:
@@ -512,7 +517,7 @@ def main():
             decode,
             rows,
             sweep,
-            (against, accuracy, long_context, matrix, fused),
+            (against, accuracy, long_context, matrix, fused, llama),
             dask_line,
             date,
         )

@@ -57,9 +57,9 @@ def _fmt(v, spec):
 
 def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
-    context sweep (prefill rows, decode steps), the shape matrix and the fused inference step's
-    rows, as bench.py makes them."""
-    frameworks, accuracy, (prefill, decode_at), matrix, fused = measured
+    context sweep (prefill rows, decode steps), the shape matrix, the fused inference step's
+    rows and the rows against llama.cpp's rope (None without ggml), as bench.py makes them."""
+    frameworks, accuracy, (prefill, decode_at), matrix, fused, llama = measured
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -193,7 +193,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
                 (
                     f"position {k:,}" if isinstance(k, int) else k,
                     f"{us:.2f}",
-                    f"{us / decode_at['batch small' if str(k).startswith('batch') else first]:.2f}x",
+                    f"{us / decode_at[_decode_base(k, first)]:.2f}x",
                 )
                 for k, us in decode_at.items()
             ],
@@ -231,6 +231,24 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
             ],
         ),
     ]
+    text += ["", "## Against llama.cpp's rope", ""]
+    if llama is None:
+        text.append("Not measured: ggml is not installed (`pip install ggml-python`).")
+    else:
+        text += [
+            "ggml's `ggml_rope_ext` (bench/ggml_rope.py, NeoX pairs, base 10,000) and "
+            "`rope.rotate(x, pos, out=o)` in half style on the same (T, H, 128) float32 tensors, "
+            "positions (T,), timed in turns; ggml on a thread pool of Numba's thread count "
+            "(one thread for a decode step). Microseconds per call, best of rounds.",
+            "",
+            _table(
+                ["case", "T", "H", "arrayrope us", "ggml us", "ggml / arrayrope"],
+                [
+                    (name, f"{t:,}", h, f"{ours:.1f}", f"{theirs:.1f}", f"{theirs / ours:.2f}")
+                    for name, t, h, ours, theirs, _ in llama
+                ],
+            ),
+        ]
     if dask_line:
         text += ["", "## Dask", "", dask_line]
     with open(path, "w") as f:
@@ -266,6 +284,12 @@ def _compiled_table(frameworks):
                 rows.append((shape, compiler, _fmt(mine * 1e6, ".1f"), _fmt(theirs * 1e6, ".1f"),
                              _speed(theirs / mine)))  # fmt: skip
     return rows
+
+
+def _decode_base(case, first):
+    """The decode row a case is compared with: batches with the batch at small positions, the
+    rest with the step at the first position."""
+    return "batch small" if str(case).startswith("batch") else first
 
 
 def _position_plot(folder, prefill, decode_at):

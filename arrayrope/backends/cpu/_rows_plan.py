@@ -150,7 +150,9 @@ class RowsPlan:
         kind = self.kind
         if kind == INT:
             return self._step(x, pos, inverse, out, seq_len)
-        if self.past_cap or (kind == NONE and self.highest_default >= self.rows):
+        if self.past_cap:
+            return self._past_cap((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
+        if kind == NONE and self.highest_default >= self.rows:
             return self.run((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
         operand = self.operands[0]
         result, source, o, positions = operand.arguments(x, pos, out)
@@ -244,7 +246,13 @@ class RowsPlan:
         for t, operand in enumerate(self.operands):
             out = None if outs is None else outs[t]
             result, source, o, positions = operand.arguments(xs[t], pos, out)
-            if not isinstance(positions, int):
+            one = -1 if isinstance(positions, int) or positions.shape[0] != 1 else int(positions[0])
+            if 0 <= one < LIMIT:
+                # a decode step's one position: the last position's row is kept (see row_at)
+                if self.row_at is None:
+                    self.row_at = self.table_source.row_at(self.table_dtype)
+                rows, local = self.row_at(one), _FIRST_ROW
+            elif not isinstance(positions, int):
                 rows = self.table_source.integer_rows(self.table_dtype, positions[:, None])
                 if rows is None:  # the one check of the values, as the caller passed them
                     _positions.check_values(np.asarray(pos))
@@ -274,6 +282,10 @@ class RowsPlan:
         """x's memory meets out's: the general plan tells exact aliasing from overlap."""
         return self.general.run(xs, pos, inverse, outs, seq_len)
 
+
+# The positions of one row of rows made for a call (never written)
+_FIRST_ROW = np.zeros(1, np.int64)
+_FIRST_ROW.flags.writeable = False
 
 # What the plan does with each status of a kernel that wrote nothing
 _RETRY = {POSITION_OUTSIDE_TABLE: RowsPlan._outside, SPANS_OVERLAP: RowsPlan._general}
