@@ -126,8 +126,19 @@ def self_overlapping(a):
     stride, each must step past everything the smaller ones span."""
     if a.size <= 1:
         return False
-    axes = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
-    reach = a.itemsize
+    key = (a.shape, a.strides, a.itemsize)
+    found = _interleaved.get(key)
+    if found is None:
+        found = _interleaved.put(key, _interleaves(*key))
+    return found
+
+
+_interleaved = Bounded(256)  # cache: self_overlapping by layout (a decode step's are the same)
+
+
+def _interleaves(shape, strides, itemsize):
+    axes = sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1)
+    reach = itemsize
     for stride, n in axes:
         if stride < reach:
             return True

@@ -79,6 +79,27 @@ def _scale(name, value, cache):
 def _slots(slots, n, capacity):
     """The slots, checked: integers, one per token, below the cache's capacity, each used once
     (a negative slot skips its token)."""
+    if (
+        type(slots) is np.ndarray
+        and slots.dtype == np.int64
+        and slots.shape == (n,)
+        and slots.flags.c_contiguous
+        and n
+    ):
+        from .backends.cpu._fused import check_slots
+
+        status, slot = check_slots(slots, capacity)
+        if status == 0:
+            return slots
+        if status == 1:
+            raise RopeValueError(
+                f"slots must be below the cache's num_blocks * block_size ({capacity}), got "
+                f"{int(slot)}"
+            )
+        raise RopeValueError(
+            f"slots must be distinct (two tokens in one slot would race), got slot {int(slot)} "
+            f"{int((slots == slot).sum())} times"
+        )
     slots = np.asarray(slots)
     if slots.dtype.kind not in "iu":
         raise RopeTypeError(f"slots must hold integers, got dtype {slots.dtype}")
@@ -107,7 +128,14 @@ def _overlaps(read, written):
     the arrays only read may share theirs (q, k and v of one QKV buffer)."""
     items = list(written.items())
     pairs = [(a, b) for i, a in enumerate(items) for b in items[i + 1 :]]
-    pairs += [(a, b) for a in items for b in read.items()]
+    # arrays read that are views of one array (a QKV projection) lie in its memory: a written
+    # array clear of that memory is clear of each of them
+    owner = next(iter(read.values())).base
+    if type(owner) is not np.ndarray or any(a.base is not owner for a in read.values()):
+        owner = None
+    for item in items:
+        if owner is None or np.may_share_memory(item[1], owner):
+            pairs += [(item, b) for b in read.items()]
     for (a_name, a), (b_name, b) in pairs:
         if not (a.size and b.size):
             continue
@@ -127,6 +155,25 @@ def _resolved(pos, n_axes):
 def _rows(rope, pos, n, dtype, seq_len):
     """(cos, sin, rows): the tables and each token's row in them."""
     spec = rope._spec
+    if (
+        type(pos) is np.ndarray
+        and pos.dtype == np.int64
+        and pos.shape == (n,)
+        and pos.flags.c_contiguous
+        and spec.n_axes == 1
+        and not spec.dynamic
+        and seq_len is None
+    ):
+        # a step's int64 positions: one compiled pass for the bounds (others, and bad values,
+        # take the general way below, which names them)
+        from .backends.cpu._fused import bounds
+
+        low, high = bounds(pos)
+        if 0 <= low and high < _positions.LIMIT:
+            tables = rope._engine.freq_set(None).tables
+            cached = tables.cached(np, None, dtype, int(high))
+            if cached is not None:
+                return cached[0], cached[1], pos
     kind, value = _resolved(pos, spec.n_axes)
     if kind == _positions.INT:
         value = np.full((n,) + ((spec.n_axes,) if spec.n_axes > 1 else ()), value)

@@ -121,9 +121,13 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     cos = sin = np.zeros((10, 64), np.float64 if dtype == np.float64 else np.float32)
     none, weight = np.empty(0, cos.dtype), np.ones(128, cos.dtype)
     expected = dtype != np.float16 or HARDWARE_F16
-    assert _fused._vector(rope._spec, q, (np.empty_like(q),), none, cos, sin) == expected
-    assert _fused._vector(rope._spec, k, (k_cache, v_cache), none, cos, sin, v) == expected
-    assert not _fused._vector(rope._spec, k, (k_cache, v_cache), weight, cos, sin, v)
+    out, caches = np.empty_like(q), (k_cache, v_cache)
+    at = [_fused._view(a)[2] for a in (out, k_cache, v_cache)]  # their addresses
+    assert _fused._vector(rope._spec, q, (out,), at[:1], none, cos, sin) == expected
+    assert _fused._vector(rope._spec, k, caches, at[1:], none, cos, sin, v) == expected
+    assert not _fused._vector(rope._spec, k, caches, at[1:], weight, cos, sin, v)
+    # a target off the 16-byte grid takes the row loop
+    assert not _fused._vector(rope._spec, q, (out,), (at[0] + 4,), none, cos, sin)
 
 
 def _rms64(x, weight, eps):
@@ -280,6 +284,9 @@ def test_refusals_write_nothing(rng):
         ({"norm_eps": "small"}, ar.RopeTypeError, "norm_eps must be a number"),
         ({"seq_len": 10}, ar.RopeValueError, "seq_len applies to length-dependent"),
         ({"pos": None}, ar.RopeValueError, "pos is required"),
+        ({"pos": np.array([0, -1, 2, 3])}, ar.RopeValueError, "non-negative"),
+        ({"pos": np.array([0, 1, 2**31, 3])}, ar.RopeValueError, "below 2\\*\\*31"),
+        ({"slots": np.array([0, 1, 1, 2], np.int32)}, ar.RopeValueError, "slot 1 2 times"),
     ]
     for change, error, message in cases:
         args = dict(q=q, k=k, v=v, pos=pos, k_cache=k_cache, v_cache=v_cache, slots=slots)
@@ -291,3 +298,24 @@ def test_refusals_write_nothing(rng):
             )  # fmt: skip
         assert np.array_equal(bits(k_cache), bits(before[0]))
         assert np.array_equal(bits(v_cache), bits(before[1]))
+
+
+@pytest.mark.parametrize("n", [5, 200])  # slots compared pairwise, and sorted
+def test_slots_checked_at_every_length(n, rng):
+    rope = ar.RoPE(16)
+    q, k, v = _qkv(rng, n, 2, 1, 16, np.float32, False)
+    k_cache, v_cache = _caches(rng, n // 4 + 2, 4, 1, 16, np.float32, "NHD")
+    pos = rng.integers(0, 1000, n)
+    slots = rng.permutation(k_cache.shape[0] * 4)[:n].astype(np.int64)
+    slots[:3] = -1  # padding: repeated, and never a duplicate
+    before = k_cache.copy()
+    rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+    assert not np.array_equal(k_cache, before)
+    twice = slots.copy()
+    twice[-1] = twice[3]
+    with pytest.raises(ar.RopeValueError, match=f"slot {twice[3]} 2 times"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, twice)
+    past = slots.copy()
+    past[n // 2] = k_cache.shape[0] * 4
+    with pytest.raises(ar.RopeValueError, match=f"got {past[n // 2]}"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, past)

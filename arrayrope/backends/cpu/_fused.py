@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from ..._cache import Bounded
 from .._geometry import flat_view
 from . import _config
 from ._config import DISK_CACHE, VECTOR_BYTES
@@ -243,26 +244,73 @@ def fused_parallel(
             )  # fmt: skip
 
 
+# Tokens up to which check_slots compares each slot with the ones before it (above, it sorts)
+_PAIRWISE_BELOW = 64
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def check_slots(slots, capacity):
+    """(0, 0) where every int64 slot is below ``capacity`` and each non-negative one is used
+    once; else (1, the largest slot) or (2, a slot used twice): a decode step's checks in one
+    call, where NumPy's take several."""
+    n = slots.shape[0]
+    high = np.int64(-1)
+    for i in range(n):
+        high = max(high, slots[i])
+    if high >= capacity:
+        return 1, high
+    if n <= _PAIRWISE_BELOW:
+        for i in range(n):
+            slot = slots[i]
+            if slot >= 0:
+                for j in range(i):
+                    if slots[j] == slot:
+                        return 2, slot
+    else:
+        ordered = np.sort(slots)
+        for i in range(1, n):
+            if ordered[i] >= 0 and ordered[i] == ordered[i - 1]:
+                return 2, ordered[i]
+    return 0, np.int64(0)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def bounds(values):
+    """(lowest, highest) of a non-empty int64 array."""
+    low = high = values[0]
+    for i in range(1, values.shape[0]):
+        low = min(low, values[i])
+        high = max(high, values[i])
+    return low, high
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def _address(a):
+    """The address of a[0, ..., 0]: a compiled call costs a fraction of NumPy's ctypes.data."""
+    return a.ctypes.data
+
+
 def _view(a):
-    """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8) and the
-    element offset of a[0, ..., 0] in it. A view of a contiguous array (q, k and v of one QKV
-    buffer) is addressed through that array: flat_view's general way costs more than the
-    kernel of a decode step."""
+    """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8), the
+    element offset of a[0, ..., 0] in it and a's address. A view of a contiguous array (q, k
+    and v of one QKV buffer) is addressed through that array: flat_view's general way costs
+    more than the kernel of a decode step."""
+    address = _address(_bits_view(a, a.dtype))  # Numba types the half types by their bits
     if a.flags.c_contiguous:
-        return _bits_view(a.reshape(-1), a.dtype), 0
+        return _bits_view(a.reshape(-1), a.dtype), 0, address
     owner, apart = a.base, 1
     if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
-        base, apart = divmod(a.ctypes.data - owner.ctypes.data, a.itemsize)
+        base, apart = divmod(address - _address(_bits_view(owner, a.dtype)), a.itemsize)
     if apart:  # no such owner, or a starts between its elements (a byte-shifted view)
         flat, base = flat_view(a)
     else:
         flat = owner.reshape(-1)
-    return _bits_view(flat, a.dtype), base
+    return _bits_view(flat, a.dtype), base, address
 
 
-def _bits_view(flat, dtype):
+def _bits_view(a, dtype):
     bits = _bits(dtype)
-    return flat if bits is None else flat.view(bits)
+    return a if bits is None else a.view(bits)
 
 
 @functools.cache
@@ -272,11 +320,17 @@ def _bits(dtype):
 
 
 def _strides(a, base, axes):
-    """(base, the element strides of ``axes``) as the kernel's int64."""
-    return np.array([base] + [a.strides[i] // a.itemsize for i in axes], np.int64)
+    """(base, the element strides of ``axes``) as the kernel's int64 (an array kept per value
+    and never written: a decode step makes the same ones each call)."""
+    key = (base, *(a.strides[i] // a.itemsize for i in axes))
+    found = _offsets.get(key)
+    return _offsets.put(key, np.array(key, np.int64)) if found is None else found
 
 
-def _vector(spec, x, targets, weight, cos, sin, other=None):
+_offsets = Bounded(256)  # cache: _strides' arrays by value
+
+
+def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
     """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``: no norm,
     targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
     block and tail of whole 16 bytes, 16-byte aligned target rows, unit-stride table rows, and
@@ -291,8 +345,8 @@ def _vector(spec, x, targets, weight, cos, sin, other=None):
         return False
     if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
         return False
-    for target in targets:
-        if target.dtype != x.dtype or target.ctypes.data % 16:
+    for target, address in zip(targets, addresses):
+        if target.dtype != x.dtype or address % 16:
             return False
         rows = zip(target.shape[:-1], target.strides[:-1])  # the feature axis is contiguous
         if any(stride % 16 for size, stride in rows if size > 1):
@@ -306,15 +360,15 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
     The caller has checked every argument (see _kv_cache)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    (qf, qb), (of, ob), (kf, kb), (vf, vb) = (_view(a) for a in (q, out, k, v))
-    (kcf, kcb), (vcf, vcb) = _view(k_cache), _view(v_cache)
+    (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _) = (_view(a) for a in (q, out, k, v))
+    (kcf, kcb, kca), (vcf, vcb, vca) = _view(k_cache), _view(v_cache)
     cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
     qs, os_ = _strides(q, qb, (0, 1)), _strides(out, ob, (0, 1))
     ks, vs = _strides(k, kb, (0, 1)), _strides(v, vb, (0, 1))
     kcs, vcs = _strides(k_cache, kcb, cache_axes), _strides(v_cache, vcb, cache_axes)
-    same = out is q or (ob == qb and of.ctypes.data == qf.ctypes.data)
-    vector = int(_vector(spec, q, (out,), q_weight, cos, sin))
-    vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), k_weight, cos, sin, v))
+    same = out is q or oa == qa  # out may be q in place, and no other array at its address
+    vector = int(_vector(spec, q, (out,), (oa,), q_weight, cos, sin))
+    vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), (kca, vca), k_weight, cos, sin, v))
     args = (
         qf, of if not same else qf, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
         cos, sin, block, hq, hkv, spec.rotary_dim, d, spec.half_style, False, q_weight,

@@ -283,9 +283,9 @@ class RowsPlan:
         return self.general.run(xs, pos, inverse, outs, seq_len)
 
 
-# The positions of one row of rows made for a call (never written)
+# The positions of one row of rows made for a call (never written; writable all the same, as
+# _positions.defaults says)
 _FIRST_ROW = np.zeros(1, np.int64)
-_FIRST_ROW.flags.writeable = False
 
 # What the plan does with each status of a kernel that wrote nothing
 _RETRY = {POSITION_OUTSIDE_TABLE: RowsPlan._outside, SPANS_OVERLAP: RowsPlan._general}
