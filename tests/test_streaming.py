@@ -93,8 +93,10 @@ def test_streamed_output_matches_plain_stores(
 def _direct_case(dtype, style, rotary_dim, layout):
     """The direct-path tests' case: x (3, 2, 37, 48); the (pos, inverse) calls to make, integer
     positions both ways and real ones (exact tables, computed per call); the RoPE; the output's
-    place in its buffer, (shift, gap) for ``layout``; and whether the direct path should take
-    it (pair blocks, tail and rows on 16-byte boundaries)."""
+    place in its buffer, (shift, gap) for ``layout``; and which way it should be stored with
+    the vector steps on: the direct path (pair blocks, tail and rows on 16-byte boundaries),
+    "unaligned" (the same steps with plain stores, off that grid), or neither (float16 where
+    the CPU does not convert it)."""
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 2, 37, 48)) * 3).astype(dtype)
     integer = rng.integers(0, 60_000, size=37)  # in the cache (past it: test_long_positions)
@@ -103,12 +105,9 @@ def _direct_case(dtype, style, rotary_dim, layout):
     item = x.itemsize
     place = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
     block = rotary_dim // 2 if style == "half" else rotary_dim
-    expect_direct = (
-        layout != "shifted"
-        and (block * item) % 16 == 0
-        and (dtype != np.float16 or _config.HARDWARE_F16)
-    )
-    return x, calls, rope, place, expect_direct
+    steps = dtype != np.float16 or _config.HARDWARE_F16
+    direct = layout != "shifted" and (block * item) % 16 == 0 and steps
+    return x, calls, rope, place, "direct" if direct else "unaligned" if steps else None
 
 
 @pytest.mark.parametrize("mode", ["streaming", "vector"])
@@ -124,7 +123,7 @@ def test_direct_path_writes_what_the_general_loop_writes(
     # large outputs, plain stores for others) takes outputs whose pair blocks, tail and rows
     # all start on 16-byte boundaries; the others take the scratch path (large) or the general
     # row loop. All must write the general loop's plain-store bits and nothing else.
-    x, calls, rope, place, expect_direct = _direct_case(dtype, style, rotary_dim, layout)
+    x, calls, rope, place, kind = _direct_case(dtype, style, rotary_dim, layout)
     x_before = x.copy()
     buffer, out = _window(x.shape, dtype, *place)
     assert buffer.__array_interface__["data"][0] % 16 == 0
@@ -134,7 +133,8 @@ def test_direct_path_writes_what_the_general_loop_writes(
         _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode, modes)
     direct = cpu.DIRECT if mode == "streaming" else cpu.VECTOR
     other = cpu.SCRATCH if mode == "streaming" else 0
-    assert modes == [direct if expect_direct else other] * 3
+    way = {"direct": direct, "unaligned": cpu.UNALIGNED, None: other}[kind]
+    assert modes == [way] * 3
     np.testing.assert_array_equal(bits(x), bits(x_before))
 
 
@@ -149,7 +149,7 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
     # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
     # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
     # every element outside the array left as they were.
-    x, calls, rope, place, expect_direct = _direct_case(dtype, style, rotary_dim, layout)
+    x, calls, rope, place, kind = _direct_case(dtype, style, rotary_dim, layout)
     modes = []
     for pos, inverse in calls:
         buffer, y = _window(x.shape, dtype, *place)
@@ -165,7 +165,7 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
         mask = np.ones(buffer.size, bool)
         mask[np.unique(_offsets(buffer, y))] = False
         np.testing.assert_array_equal(words[mask], outside[mask])
-    assert modes == [cpu.VECTOR if expect_direct else 0] * 3
+    assert modes == [{"direct": cpu.VECTOR, "unaligned": cpu.UNALIGNED, None: 0}[kind]] * 3
 
 
 @pytest.mark.parametrize("heads", [(3, 2), (1, 5), (4, 4)])
@@ -287,9 +287,9 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
     _general(rope, (big,), None, (big,), modes=modes)  # in place: plain stores, whatever the size
     _general(rope, (q, k), None, (q, np.empty_like(k)), modes=modes)  # 0.5 MiB written
     _general(rope, (big[:, :4],), None, (np.empty_like(big[:, :4]),), modes=modes)  # 0.5 MiB
-    _general(rope, (big[:, :4],), None, (shifted,), modes=modes)  # 0.5 MiB: the general loop
+    _general(rope, (big[:, :4],), None, (shifted,), modes=modes)  # 0.5 MiB, off the grid
     if _config.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
-        assert modes == [cpu.DIRECT] * 2 + [cpu.VECTOR] * 3 + [0]
+        assert modes == [cpu.DIRECT] * 2 + [cpu.VECTOR] * 3 + [cpu.UNALIGNED]
     else:
         assert modes == [0] * 6
 

@@ -33,7 +33,7 @@ from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._fused import launch as launch_fused
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
-from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, VECTOR
+from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, UNALIGNED, VECTOR
 from ._rows_plan import rows_plan
 
 _disk_cache.guard(_angles, _convert, _decode, _direct, _fused, _gather, _parallel, _rows, _runs)
@@ -45,7 +45,7 @@ _F16 = np.dtype(np.float16)
 
 def launch(spec, operands, cos, sin, inverse):
     """Rotate one or two operands (q and k) in one kernel call: the general strategy. Returns
-    how the results were stored (0: plain stores; SCRATCH, DIRECT or VECTOR).
+    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR or UNALIGNED).
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), addressable
     (see ``_arrays.addressable``), ``out is x`` for in place; idx int64 of shape (L axes of
@@ -157,12 +157,17 @@ def _operand(arrays):
 
 
 def _stream(spec, operands, segments, cos, sin):
-    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT or VECTOR."""
+    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT, VECTOR or
+    UNALIGNED."""
     if not STREAMING:
         return 0
     large = _streams(operands)
     if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
+    if _config.CONFIG.vector_rows and vector_steps(spec, operands, segments, cos, sin):
+        # rows off the 16-byte grid: the vector steps with plain stores, which beat the general
+        # loop's per-element pairs streamed out of a scratch block
+        return UNALIGNED
     return SCRATCH if large else 0
 
 
@@ -189,7 +194,7 @@ def _flat_operands(operands, stream):
         # steps load a block before they store it, so in place and smaller outputs share one
         # compiled kernel there. (The general row loop needs None: see _rows._row_views; DIRECT
         # keeps an in-place operand of rotate_qk on plain stores by it.)
-        shared = out is x and stream == VECTOR
+        shared = out is x and stream in (VECTOR, UNALIGNED)
         args += (None if out is x and not shared else xf, of, flat_view(idx)[0])
     return tuple(args + args if len(operands) == 1 else args)
 
@@ -208,6 +213,16 @@ def _run(kernel, args, scratch, rows, parallel):
         launch_parallel(kernel, args, scratch, rows)
     else:
         kernel(*args, scratch[0], 0, rows)
+
+
+def vector_steps(spec, operands, segments, cos, sin):
+    """Whether the direct path's vector steps can rotate these operands' rows with plain stores
+    anywhere on the element grid (UNALIGNED): one run of pairs per row, table rows of unit
+    stride with cos and sin laid out alike, and float16 converted by the CPU."""
+    x = operands[0][0]
+    if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
+        return False
+    return cos.strides[-1] == cos.itemsize and sin.strides == cos.strides
 
 
 def direct_path(spec, operands, segments, cos, sin):

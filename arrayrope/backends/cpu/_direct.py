@@ -15,7 +15,7 @@ from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
 from ._ladder import ladder
 from ._runs import run_start
-from ._simd import address, copy_bytes, store_fence
+from ._simd import address, copy_bytes, copy_element, store_fence
 
 # Rows per block in the direct path where rows have a tail: a block's tails are copied after
 # its rows are rotated. One: each row's tail right after its rotated part, so that x and o are
@@ -38,7 +38,7 @@ def _same_impl(x, o):
     return lambda x, o: address(x, 0) == address(o, 0)
 
 
-def _direct_runs_for(nontemporal, in_place_runs=None):
+def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
     """The direct path's loop over rows first..stop-1 of one operand (``g``: its geometry
     block), rotated straight into o with streaming stores or (``nontemporal`` False) plain ones:
     a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv,
@@ -51,14 +51,27 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
     In place, x is o (the tail past rotary_dim is then left as it is), or None for an in-place
     operand of rotate_qk beside one whose result streams: that operand's lines are read before
     they are written, so it goes to ``in_place_runs`` (the plain-store loop) with x as o.
+
+    ``aligned`` False (plain stores only) takes rows, pair blocks and tails anywhere on the
+    element grid: its stores assume no alignment, and what a row has left under 16 bytes goes
+    one pair (one element of the tail) at a time.
     """
-    # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows and
-    # pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
-    widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
-    half_row = ladder(True, widths, nontemporal)
-    pair_row = ladder(False, widths, nontemporal)
-    copy_16 = copy_bytes(nontemporal, 16)
-    copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES)
+    if aligned:
+        # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows
+        # and pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
+        widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
+        narrow_widths = widths
+    else:
+        # Steps of eight elements, then one pair at a time. Two steps, not three: a ladder with
+        # a middle step grows past what LLVM inlines into the row loop, and a call per row
+        # costs more than the pairs it saves.
+        widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
+    ladders = {
+        wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
+        for wide, w in ((True, widths), (False, narrow_widths))
+    }
+    copy_16 = copy_bytes(nontemporal, 16, aligned)
+    copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
     def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
         """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
@@ -98,6 +111,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
         # loop of their own per block of rows (see _TAIL_BLOCK_ROWS). The loop over runs is in
         # the same function: a function Numba compiles on its own is optimized and emitted by
         # LLVM once more in each caller's library.
+        half_row, pair_row = ladders[o.dtype.bitwidth > 16]
+
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
             if first >= stop:
                 return
@@ -136,6 +151,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                             # as a loop that spills its registers
                             step = np.uint64(_TAIL_STEP_BYTES // o.itemsize)
                             step_16 = np.uint64(16 // o.itemsize)
+                            one = np.uint64(1)
                             end = np.uint64(width)
                             for r in range(lo, hi):
                                 xr = np.uint64(xb + r * sx)
@@ -144,9 +160,13 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
                                 while t + step <= end:
                                     copy_step(x, xr + t, o, orow + t)
                                     t += step
-                                while t < end:
+                                while t + step_16 <= end:
                                     copy_16(x, xr + t, o, orow + t)
                                     t += step_16
+                                if not aligned:
+                                    while t < end:
+                                        copy_element(x, xr + t, o, orow + t)
+                                        t += one
             if nontemporal:
                 store_fence()
 
@@ -157,3 +177,4 @@ def _direct_runs_for(nontemporal, in_place_runs=None):
 
 direct_runs_plain = _direct_runs_for(False)
 direct_runs_streaming = _direct_runs_for(True, direct_runs_plain)
+direct_runs_unaligned = _direct_runs_for(False, aligned=False)

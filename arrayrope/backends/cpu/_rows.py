@@ -17,11 +17,12 @@ from numba.extending import overload
 
 from ._config import DISK_CACHE
 from ._convert import load, store
-from ._direct import direct_runs_plain, direct_runs_streaming
+from ._direct import direct_runs_plain, direct_runs_streaming, direct_runs_unaligned
 from ._runs import run_start
 from ._simd import address, store_fence, stream_line
 
-SCRATCH, DIRECT, VECTOR = 1, 2, 3  # how a launch stores results (see launch); 0: plain stores
+# how a launch stores results (see launch); 0: plain stores
+SCRATCH, DIRECT, VECTOR, UNALIGNED = 1, 2, 3, 4
 # Rows rotated into an in-cache scratch block before each streaming copy.
 _STREAM_BLOCK_BYTES = 8192
 
@@ -288,6 +289,17 @@ def rotate_range_vector(
     direct_runs_plain(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
 
 
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_unaligned(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
+    stop,
+):  # fmt: skip
+    """The direct path with plain stores anywhere on the element grid (UNALIGNED)."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    direct_runs_unaligned(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+    direct_runs_unaligned(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+
+
 # The direct path with rows from the level tables (see launch_filled): idx holds positions, and
 # the arguments in the tables' and copy_tail's places are the level tables, the frequencies and
 # the rows' scale; each task's scratch block is a buffer of rows (see launch_filled).
@@ -325,4 +337,5 @@ KERNELS = {
     SCRATCH: rotate_range,
     DIRECT: rotate_range_direct,
     VECTOR: rotate_range_vector,
+    UNALIGNED: rotate_range_unaligned,
 }

@@ -304,9 +304,11 @@ def _bfloat16_codegen(nbytes, nontemporal, aligned):
     return codegen
 
 
-def copy_bytes(nontemporal, nbytes):
+def copy_bytes(nontemporal, nbytes, aligned=True):
     """An intrinsic: o[oa...] = x[xa...], ``nbytes`` bytes (16, 32 or 64), with streaming stores
-    (o[oa] 16-byte aligned) or a plain one."""
+    (o[oa] 16-byte aligned) or a plain one (o[oa] 16-byte aligned, or only element-aligned where
+    ``aligned`` is False)."""
+    align = 16 if aligned else 1
 
     @intrinsic
     def copy(typingctx, x, xa, o, oa):
@@ -317,7 +319,9 @@ def copy_bytes(nontemporal, nbytes):
             value = builder.load(
                 builder.bitcast(builder.gep(source, [xa_]), vector.as_pointer()), align=1
             )
-            _store_streaming(context, builder, signature.args[2], o_, oa_, value, 16, nontemporal)
+            _store_streaming(
+                context, builder, signature.args[2], o_, oa_, value, align, nontemporal
+            )
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa), codegen
