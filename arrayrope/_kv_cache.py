@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _arrays, _positions
 from ._arrays import NUMPY
+from ._cache import Bounded
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
 
@@ -47,6 +48,12 @@ def _operand(name, a, shape, dtype, written=False):
             f"{name} has elements that share memory (strides {a.strides}): parallel writes "
             "to it would race"
         )
+
+
+@functools.cache
+def _no_weight(dtype):
+    """The kernel's empty weights of ``dtype`` (no norm), one array per dtype, never written."""
+    return np.empty(0, dtype)
 
 
 def _weights(name, w, d):
@@ -195,6 +202,59 @@ def _rows(rope, pos, n, dtype, seq_len):
     return cos, sin, np.arange(n, dtype=np.int64)
 
 
+def _layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
+    """(N, Hq, Hkv, block_size) after the checks that the arrays' layouts settle: shapes,
+    dtypes, the cache layout, and the written arrays' flags and strides. Kept per layout (a
+    decode loop brings the same arrays' layouts each step, at new addresses)."""
+    if cache_layout not in LAYOUTS:
+        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
+    key = (d, cache_layout) + tuple(
+        None if a is None else (a.shape, a.strides, a.dtype, a.flags.num)
+        for a in (q, k, v, k_cache, v_cache, out)
+    )
+    found = _layouts.get(key)
+    if found is None:
+        found = _layouts.put(key, _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout))
+    return found
+
+
+_layouts = Bounded(256)  # cache: _layout by the arrays' layouts
+
+
+def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
+    """:func:`_layout`'s checks, each refusal naming the argument and its value."""
+    if q.ndim != 3:
+        raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {q.shape}")
+    _arrays.check_float("q", q, d)
+    n, hq, _ = q.shape
+    if k.ndim != 3:
+        raise RopeValueError(f"k must have shape (N, Hkv, head_dim), got {k.shape}")
+    hkv = k.shape[1]
+    _operand("k", k, (n, hkv, d), q.dtype)
+    _operand("v", v, (n, hkv, d), q.dtype)
+    if k_cache.ndim != 4:
+        axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
+        raise RopeValueError(
+            f"k_cache must have shape (num_blocks, {axes}, head_dim), got {k_cache.shape}"
+        )
+    block = k_cache.shape[1] if cache_layout == "NHD" else k_cache.shape[2]
+    heads_axis = 2 if cache_layout == "NHD" else 1
+    if k_cache.shape[heads_axis] != hkv or k_cache.shape[3] != d:
+        raise RopeValueError(
+            f"k_cache of shape {k_cache.shape} ({cache_layout}) must hold Hkv={hkv} heads of "
+            f"head_dim={d}"
+        )
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (cache.dtype == q.dtype or _fp8(cache.dtype)):
+            raise RopeTypeError(
+                f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
+            )
+        _operand(name, cache, k_cache.shape, cache.dtype, written=True)
+    if out is not None:
+        _operand("out", out, q.shape, q.dtype, written=True)
+    return n, hq, hkv, block
+
+
 @filled
 def rotate_into_cache(
     self,
@@ -277,39 +337,9 @@ def rotate_into_cache(
                 f"{name} must be a NumPy array (rotate_into_cache runs on the CPU), got "
                 f"{_arrays.describe(a)}"
             )
-    if q.ndim != 3:
-        raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {q.shape}")
-    _arrays.check_float("q", q, d)
-    n, hq, _ = q.shape
-    if k.ndim != 3:
-        raise RopeValueError(f"k must have shape (N, Hkv, head_dim), got {k.shape}")
-    hkv = k.shape[1]
-    _operand("k", k, (n, hkv, d), q.dtype)
-    _operand("v", v, (n, hkv, d), q.dtype)
-    if cache_layout not in LAYOUTS:
-        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
-    if k_cache.ndim != 4:
-        axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
-        raise RopeValueError(
-            f"k_cache must have shape (num_blocks, {axes}, head_dim), got {k_cache.shape}"
-        )
-    block = k_cache.shape[1] if cache_layout == "NHD" else k_cache.shape[2]
-    heads_axis = 2 if cache_layout == "NHD" else 1
-    if k_cache.shape[heads_axis] != hkv or k_cache.shape[3] != d:
-        raise RopeValueError(
-            f"k_cache of shape {k_cache.shape} ({cache_layout}) must hold Hkv={hkv} heads of "
-            f"head_dim={d}"
-        )
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not (cache.dtype == q.dtype or _fp8(cache.dtype)):
-            raise RopeTypeError(
-                f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
-            )
-        _operand(name, cache, k_cache.shape, cache.dtype, written=True)
+    n, hq, hkv, block = _layout(d, q, k, v, k_cache, v_cache, out, cache_layout)
     if out is None:
         out = np.empty(q.shape, q.dtype)
-    else:
-        _operand("out", out, q.shape, q.dtype, written=True)
     q_weight = _weights("q_norm", q_norm, d)
     k_weight = _weights("k_norm", k_norm, d)
     try:
@@ -327,8 +357,8 @@ def rotate_into_cache(
         _resolved(pos, spec.n_axes)  # checked all the same
         return out
     cos, sin, rows = _rows(self, pos, n, dtype, seq_len)
-    q_weight = q_weight.astype(dtype)
-    k_weight = k_weight.astype(dtype)
+    q_weight = q_weight.astype(dtype, copy=False) if q_weight.size else _no_weight(dtype)
+    k_weight = k_weight.astype(dtype, copy=False) if k_weight.size else _no_weight(dtype)
     # inputs the kernel cannot address as they are go through a copy
     q, k, v = (a if _arrays.addressable(a, NUMPY) else a.copy() for a in (q, k, v))
     cpu.launch_fused(

@@ -319,3 +319,23 @@ def test_slots_checked_at_every_length(n, rng):
     past[n // 2] = k_cache.shape[0] * 4
     with pytest.raises(ar.RopeValueError, match=f"got {past[n // 2]}"):
         rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, past)
+
+
+def test_checks_kept_per_layout_still_see_each_call(rng):
+    # the layout checks are kept per layout (shapes, strides, dtypes, flags): a later call whose
+    # arrays differ in any of those is checked again
+    rope = ar.RoPE(16)
+    q, k, v = _qkv(rng, 4, 2, 1, 16, np.float32, True)
+    k_cache, v_cache = _caches(rng, 2, 4, 1, 16, np.float32, "NHD")
+    pos, slots = np.arange(4), np.array([0, 1, 2, 3])
+    rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+    before = k_cache.copy()
+    k_cache.flags.writeable = False
+    with pytest.raises(ar.RopeValueError, match="k_cache is read-only"):
+        rope.rotate_into_cache(q, k, v, pos + 1, k_cache, v_cache, slots)
+    k_cache.flags.writeable = True
+    with pytest.raises(ar.RopeValueError, match="out must have shape"):
+        rope.rotate_into_cache(q, k, v, pos + 1, k_cache, v_cache, slots, out=q[:2])
+    with pytest.raises(ar.RopeValueError, match="cache_layout must be"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, cache_layout=["NHD"])
+    assert np.array_equal(k_cache, before)

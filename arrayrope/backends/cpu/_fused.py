@@ -328,6 +328,7 @@ def _strides(a, base, axes):
 
 
 _offsets = Bounded(256)  # cache: _strides' arrays by value
+_launches = Bounded(256)  # cache: a launch's stride arrays and vector steps by its layout
 
 
 def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
@@ -362,13 +363,28 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
     hkv = k.shape[1]
     (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _) = (_view(a) for a in (q, out, k, v))
     (kcf, kcb, kca), (vcf, vcb, vca) = _view(k_cache), _view(v_cache)
-    cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
-    qs, os_ = _strides(q, qb, (0, 1)), _strides(out, ob, (0, 1))
-    ks, vs = _strides(k, kb, (0, 1)), _strides(v, vb, (0, 1))
-    kcs, vcs = _strides(k_cache, kcb, cache_axes), _strides(v_cache, vcb, cache_axes)
+    # what follows from the layout alone, kept: a decode loop brings the same one each step
+    key = (
+        spec, layout, q.dtype, k_cache.dtype, v_cache.dtype, q.shape, k.shape, k_cache.shape,
+        q.strides, out.strides, k.strides, v.strides, k_cache.strides, v_cache.strides,
+        qb, ob, kb, vb, kcb, vcb, oa % 16, kca % 16, vca % 16, q_weight.size, k_weight.size,
+        cos.dtype, cos.strides, sin.strides,
+    )  # fmt: skip
+    found = _launches.get(key)
+    if found is None:
+        cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
+        vector = int(_vector(spec, q, (out,), (oa,), q_weight, cos, sin))
+        vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), (kca, vca), k_weight, cos, sin, v))
+        found = _launches.put(
+            key,
+            (
+                _strides(q, qb, (0, 1)), _strides(out, ob, (0, 1)), _strides(k, kb, (0, 1)),
+                _strides(v, vb, (0, 1)), _strides(k_cache, kcb, cache_axes),
+                _strides(v_cache, vcb, cache_axes), vector,
+            ),
+        )  # fmt: skip
+    qs, os_, ks, vs, kcs, vcs, vector = found
     same = out is q or oa == qa  # out may be q in place, and no other array at its address
-    vector = int(_vector(spec, q, (out,), (oa,), q_weight, cos, sin))
-    vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), (kca, vca), k_weight, cos, sin, v))
     args = (
         qf, of if not same else qf, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
         cos, sin, block, hq, hkv, spec.rotary_dim, d, spec.half_style, False, q_weight,
