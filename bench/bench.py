@@ -61,6 +61,21 @@ def cold_start(cache_dir=None):
     return [float(v) for v in out.stdout.split()]
 
 
+def best_per_call(cases, rounds, calls):
+    """{name: best seconds per call}, the cases taking turns each round (a batch of ``calls``
+    calls each), so that a slow stretch of the machine falls on all alike."""
+    for fn in cases.values():
+        fn()
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
 def paired(fn, ceilings, repeats, streaming=None):
     """Time ``fn`` alternately with its ceiling copies; returns (op s, ceiling s, ratio, ratio
     to the ``streaming`` copy or None).

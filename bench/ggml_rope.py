@@ -16,12 +16,12 @@ import argparse
 import ctypes
 import os
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 # (name, T, H, first position, positions step): prefill rows one position per token from the
 # first on, decode rows one token, a batch eight tokens at scattered large positions (step 0)
@@ -84,23 +84,11 @@ def _view(ggml, tensor, shape, dtype):
     return np.frombuffer(buffer, dtype).reshape(shape)
 
 
-def _best(cases, rounds, calls):
-    """{name: best seconds per call}, the cases taking turns each round."""
-    for fn in cases.values():
-        fn()
-    best = dict.fromkeys(cases, float("inf"))
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls)
-    return best
-
-
 def rows(rounds=5):
     """[(case, T, H, arrayrope us, ggml us, largest difference at positions below 2**12)], or
     None where ggml is not installed."""
+    from bench import best_per_call
+
     try:
         import ggml
     except ImportError:
@@ -128,7 +116,7 @@ def rows(rounds=5):
             small = g.pos < 1 << 12
             diff = float(np.abs(theirs[small] - g.out[small]).max()) if small.any() else None
             calls = 200 if tokens <= 8 else max(1, (1 << 22) // (tokens * heads * HEAD_DIM))
-            best = _best(
+            best = best_per_call(
                 {"ours": lambda: rope.rotate(g.x, pos, out=g.out), "ggml": g},
                 rounds,
                 calls,

@@ -21,12 +21,12 @@ the same rows.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
@@ -81,30 +81,17 @@ def _case(n, dtype, decode):
     return {"unfused": unfused, "fused": fused, "copy": copy, "threaded copy": threaded}
 
 
-def _best(cases, rounds, calls):
-    """{name: best seconds per call}, the cases taking turns each round (a batch of ``calls``
-    calls each), so that a slow stretch of the machine falls on all alike."""
-    for fn in cases.values():
-        fn()
-    best = dict.fromkeys(cases, float("inf"))
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls)
-    return best
-
-
 def rows(rounds):
     """[(step, dtype, fused us, unfused us, copy us)] for prefill and decode, float32 and
     bfloat16."""
     import ml_dtypes
 
+    from bench import best_per_call
+
     found = []
     for step, n, calls in (("prefill", 2048, 1), ("decode", 32, 200)):
         for dtype in (np.float32, ml_dtypes.bfloat16):
-            best = _best(_case(n, dtype, step == "decode"), rounds, calls)
+            best = best_per_call(_case(n, dtype, step == "decode"), rounds, calls)
             ceiling = min(best["copy"], best["threaded copy"])
             found.append(
                 (

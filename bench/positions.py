@@ -19,7 +19,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -30,21 +29,6 @@ sys.path.insert(0, HERE)
 DECODE_POSITIONS = (1_000, 60_000, 100_000, 1_000_000, 10_000_000, 2**31 - 1)
 CALLS = 500  # decode calls per timed batch
 NEW_EACH_CALL = "positions 10**6, 10**6 + 1, ... (a new one each call)"
-
-
-def _best_per_call(cases, rounds):
-    """{name: best seconds per call} of small calls, batches of CALLS, the cases taking turns
-    each round so that a slow stretch of the machine falls on all alike."""
-    for fn in cases.values():
-        fn()
-    best = dict.fromkeys(cases, float("inf"))
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / CALLS)
-    return best
 
 
 def prefill_sweep(lengths, repeats):
@@ -93,7 +77,9 @@ def decode_sweep(rounds):
     cases[NEW_EACH_CALL] = lambda: rope.rotate(x, next(steps), out=o)
     cases["batch small"] = lambda: rope.rotate(batch, small, out=b_out)
     cases["batch large"] = lambda: rope.rotate(batch, large, out=b_out)
-    best = _best_per_call(cases, rounds)
+    from bench import best_per_call
+
+    best = best_per_call(cases, rounds, CALLS)
     return {name: seconds * 1e6 for name, seconds in best.items()}
 
 
