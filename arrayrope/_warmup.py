@@ -31,7 +31,8 @@ _STREAMING_UP_TO = 1 << 30
 
 
 def _unaligned(shape, dtype):
-    """An array one element off a 16-byte boundary: the general row loop writes it."""
+    """An array one element off a 16-byte boundary: the vector steps write it with plain
+    stores."""
     return np.empty(int(np.prod(shape)) + 1, dtype)[1:].reshape(shape)
 
 
@@ -42,6 +43,7 @@ def _calls(rope, dtype):
 
     rng = np.random.default_rng(0)
     step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
+    pair = rng.standard_normal((2, 8, 1, rope.head_dim)).astype(dtype)  # two sequences' steps
     cache = np.zeros((1, 8, 16, rope.head_dim), dtype)  # a KV cache, rows written in place
     chunk = rng.standard_normal((1, 8, 16, rope.head_dim)).astype(dtype)
     large = rng.standard_normal((2, 8, 1024, rope.head_dim)).astype(dtype)
@@ -60,8 +62,9 @@ def _calls(rope, dtype):
         ("one thread, real positions", lambda: rope.rotate(chunk, np.arange(16) + 0.5)),
         ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
         ("parallel, in place", lambda: rope.rotate(large, out=large)),
-        ("general row loop (unaligned out=)", lambda: rope.rotate(chunk, real, out=odd)),
+        ("vector steps off the 16-byte grid (out=)", lambda: rope.rotate(chunk, real, out=odd)),
         ("positions past the cos/sin cache", lambda: rope.rotate(step, np.array([2**31 - 1]))),
+        ("a batch of rows past the cache", lambda: rope.rotate(pair, np.array([[[2**30]], [[9]]]))),
         ("positions past the cache, parallel rows", lambda: rope.rotate(far, far_pos)),
     ]
     if STREAMING and CONFIG.stream_above <= _STREAMING_UP_TO:
