@@ -95,6 +95,7 @@ def _slots(slots, n, capacity):
     ):
         from .backends.cpu._fused import check_slots
 
+        slots = slots.copy()  # checked and used as one copy: the caller's may change meanwhile
         status, slot = check_slots(slots, capacity)
         if status == 0:
             return slots
@@ -175,6 +176,7 @@ def _rows(rope, pos, n, dtype, seq_len):
         # take the general way below, which names them)
         from .backends.cpu._fused import bounds
 
+        pos = pos.copy()  # checked and used as one copy (as slots are)
         low, high = bounds(pos)
         if 0 <= low and high < _positions.LIMIT:
             tables = rope._engine.freq_set(None).tables
@@ -206,7 +208,7 @@ def _layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
     """(N, Hq, Hkv, block_size) after the checks that the arrays' layouts settle: shapes,
     dtypes, the cache layout, and the written arrays' flags and strides. Kept per layout (a
     decode loop brings the same arrays' layouts each step, at new addresses)."""
-    if cache_layout not in LAYOUTS:
+    if not (isinstance(cache_layout, str) and cache_layout in LAYOUTS):
         raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
     key = (d, cache_layout) + tuple(
         None if a is None else (a.shape, a.strides, a.dtype, a.flags.num)

@@ -336,6 +336,31 @@ def test_checks_kept_per_layout_still_see_each_call(rng):
     k_cache.flags.writeable = True
     with pytest.raises(ar.RopeValueError, match="out must have shape"):
         rope.rotate_into_cache(q, k, v, pos + 1, k_cache, v_cache, slots, out=q[:2])
-    with pytest.raises(ar.RopeValueError, match="cache_layout must be"):
-        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, cache_layout=["NHD"])
+    for layout in (["NHD"], np.array("NHD"), np.array(["NHD", "HND"])):
+        with pytest.raises(ar.RopeValueError, match="cache_layout must be"):
+            rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, cache_layout=layout)
     assert np.array_equal(k_cache, before)
+
+
+@pytest.mark.parametrize("alias", ["q", "out"])
+def test_out_at_qs_address_reached_another_way_is_in_place(alias, rng):
+    # out and q one layout at one address, one a view through its contiguous owner and the
+    # other an as_strided alias (addressed through flat_view): in place, and nothing written
+    # past the region
+    rope = ar.RoPE(16)
+    n, hq, d = 3, 2, 16
+    k_cache, v_cache = _caches(rng, 2, 4, 1, 16, np.float32, "NHD")
+    k = rng.standard_normal((n, 1, d)).astype(np.float32)
+    v = k.copy()
+    pos, slots = np.array([1, 2, 3]), np.array([0, 1, 2])
+    size = n * (hq + 1) * d
+    big = np.full(size + 64, np.nan, np.float32)
+    big[:size] = rng.standard_normal(size)
+    region = big[:size].reshape(n, (hq + 1) * d)
+    view = region[:, d:].reshape(n, hq, d)
+    other = np.lib.stride_tricks.as_strided(region[:, d:], view.shape, view.strides)
+    q, out = (other, view) if alias == "q" else (view, other)
+    want = rope.rotate(np.array(q), pos[:, None])
+    rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
+    assert np.array_equal(bits(view), bits(want))
+    assert np.isnan(big[size:]).all()

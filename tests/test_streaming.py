@@ -33,11 +33,16 @@ def _general(rope, xs, pos, outs, inverse=False, modes=None):
     return run_launcher(launch, rope, tuple(xs), pos, inverse=inverse, outs=tuple(outs))
 
 
-def _streaming(threads):
-    """Streaming stores for every output, on one thread or on all."""
+def _streaming(threads, vector_rows=True):
+    """Streaming stores for every output, on one thread or on all; with ``vector_rows`` off,
+    outputs off the 16-byte grid stream from the scratch block (as multi-axis tables do)."""
     if not _config.STREAMING:
         pytest.skip("streaming stores are used on x86-64 only")
-    return _config.override(stream_above=0, serial_below=0 if threads == "parallel" else 1 << 62)
+    return _config.override(
+        stream_above=0,
+        serial_below=0 if threads == "parallel" else 1 << 62,
+        vector_rows=vector_rows,
+    )
 
 
 def _vector(threads):
@@ -61,6 +66,7 @@ def _window(shape, dtype, shift, gap):
     return buffer, rows.reshape(shape)
 
 
+@pytest.mark.parametrize("mode", ["streaming", "scratch"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @given(
     outer=st.lists(st.integers(1, 6), max_size=2),
@@ -75,7 +81,7 @@ def _window(shape, dtype, shift, gap):
     seed=st.integers(0, 2**32 - 1),
 )
 def test_streamed_output_matches_plain_stores(
-    threads, outer, rows, d, dtype, style, partial, inverse, shift, gap, seed
+    mode, threads, outer, rows, d, dtype, style, partial, inverse, shift, gap, seed
 ):
     rng = np.random.default_rng(seed)
     shape = tuple(outer) + (rows, d)
@@ -85,7 +91,7 @@ def test_streamed_output_matches_plain_stores(
     rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
     pos = rng.integers(0, 4096, size=rows)
     buffer, out = _window(shape, dtype, shift, gap)
-    _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out)
+    _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode)
     np.testing.assert_array_equal(bits(x), bits(x_before))
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
@@ -233,10 +239,15 @@ def test_direct_path_reads_table_rows_at_their_stride(style, dtype, stream_above
 def _assert_streams_plain_bits(
     threads, rope, x, pos, inverse, buffer, out, mode="streaming", modes=None
 ):
-    """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on (or, for
-    ``mode`` "vector", the direct path's plain stores): the bits of the general row loop's plain
-    stores, and no write outside ``out``."""
-    with _streaming(threads) if mode == "streaming" else _vector(threads):
+    """Rotate x into ``out`` (a view of the poisoned ``buffer``) with streaming on (``mode``
+    "scratch": with the vector steps only on the 16-byte grid; "vector": the direct path's
+    plain stores): the bits of the general row loop's plain stores, and no write outside
+    ``out``."""
+    if mode == "vector":
+        config = _vector(threads)
+    else:
+        config = _streaming(threads, vector_rows=mode == "streaming")
+    with config:
         _general(rope, (x,), pos, (out,), inverse, modes)
     with _config.override(**PLAIN):
         (expected,) = _general(rope, (x,), pos, (poisoned(x.shape, x.dtype),), inverse)

@@ -77,15 +77,19 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     """Rotate one or two operands (as :func:`launch`) by the direct path with each position's
     row filled from the level tables (see ``_angles``) in the kernel: no per-call table.
     ``operands`` hold (x, out, positions) with positions as launch's idx, int64 in [0, 2**31),
-    one axis. Each task fills the rows of a chunk of rows into a buffer of ``_FILL_BYTES``
-    and rotates every row at those positions before the next chunk (see :func:`_chunked`).
+    one axis. Each task (one per thread) fills the rows of a chunk of positions into a buffer
+    of at most ``_FILL_BYTES`` and rotates every row at those positions before the next chunk
+    (see :func:`_chunked`); a task that starts or ends inside a chunk fills its part of it.
     Returns the way results were stored (DIRECT or VECTOR), or 0, with nothing written, where
     the direct path cannot take the operands."""
-    rows = max(1, _FILL_BYTES // (2 * inv_freq.size * dtype.itemsize))
+    parallel = _parallel_launch(operands)
+    tasks = numba.get_num_threads() if parallel else 1  # one per thread: a buffer each
+    row_bytes = 2 * inv_freq.size * dtype.itemsize
+    rows = max(1, min(_FILL_BYTES, _ALL_FILL_BYTES // tasks) // row_bytes)
     rows = min(rows, max(idx.size // idx.shape[-1] for _, _, idx in operands))
-    buf = np.empty((2, rows, inv_freq.size), dtype)
+    scratch = np.empty((tasks, 2, rows, inv_freq.size), dtype)
     segments = spec.segments
-    if not STREAMING or not direct_path(spec, operands, segments, buf[0], buf[1]):
+    if not STREAMING or not direct_path(spec, operands, segments, scratch[0, 0], scratch[0, 1]):
         return 0
     stream = DIRECT if _streams(operands) else VECTOR
     parts = [part for operand in operands for part in _chunked(operand, rows)]
@@ -94,10 +98,6 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
         g = geometry(pair, flat=True)
         args = _flat_operands(pair, stream) + (g, levels, inv_freq, segments)
         args += (spec.rotary_dim, pair[0][0].shape[-1], spec.half_style, inverse, scale)
-        parallel = _parallel_launch(pair)
-        # one task per thread: a buffer each, and a chunk's rows are split only at its edges
-        tasks = numba.get_num_threads() if parallel else 1
-        scratch = np.empty((tasks,) + buf.shape, dtype)
         _run(FILLED_KERNELS[stream], args, scratch, _rows_of(pair), parallel)
     return stream
 
@@ -105,8 +105,10 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
 # Bytes of a task's buffer of filled rows (see launch_filled). Its rows are a chunk's positions,
 # and each head's rows at them are one run in memory: the longer the runs, the closer the loop
 # comes to a copy's streaming (runs of tens of KiB per head, a buffer in the first-level cache,
-# fall well short of it). A megabyte keeps the buffer in the core's outer caches.
+# fall well short of it). A megabyte keeps the buffer in the core's outer caches; on many
+# threads, the buffers together take at most _ALL_FILL_BYTES.
 _FILL_BYTES = 1 << 20
+_ALL_FILL_BYTES = 16 << 20
 
 
 def _chunked(operand, rows):

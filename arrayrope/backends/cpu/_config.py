@@ -46,9 +46,10 @@ class Config:
     # store first reads each line it writes, a third stream of memory traffic. Smaller results
     # may still be in cache when they are used next, which streaming would forfeit.
     stream_above: int
-    # Aligned outputs below stream_above, and arrays rotated in place, take the direct path's
-    # vector loop with plain stores; off, they take the general row loop (positions past the
-    # cache take the direct path either way: see launch_filled).
+    # Aligned outputs below stream_above, arrays rotated in place, and outputs of any size off
+    # the 16-byte grid take the direct path's vector loop with plain stores; off, they take the
+    # general row loop (positions past the cache take the direct path either way: see
+    # launch_filled).
     vector_rows: bool
 
     @classmethod

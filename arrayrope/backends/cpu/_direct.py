@@ -3,8 +3,9 @@
 Large outputs take 16-byte streaming stores with no scratch block: the CPU's write-combining
 buffers join the pieces of each cache line, so a line split between two rows streams whole too.
 Smaller outputs, and arrays rotated in place, take the same loop with plain stores. Every store
-address must be 16-byte aligned (the launcher checks: see ``direct_path``); other outputs take
-the general row loop.
+address must be 16-byte aligned (the launcher checks: see ``direct_path``); outputs off that
+grid take the same steps with plain stores that assume no alignment (UNALIGNED: see
+``vector_steps``), and the rest (multi-axis tables, float16 without F16C) the general row loop.
 """
 
 import numpy as np
@@ -62,9 +63,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
         widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
         narrow_widths = widths
     else:
-        # Steps of eight elements, then one pair at a time. Two steps, not three: a ladder with
-        # a middle step grows past what LLVM inlines into the row loop, and a call per row
-        # costs more than the pairs it saves.
+        # Steps of 32 bytes (16 for the 2-byte types: eight elements either way, four of
+        # float64), then one pair at a time. Two steps, not three: a ladder with a middle step
+        # grows past what LLVM inlines into the row loop, and a call per row costs more than
+        # the pairs it saves.
         widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
     ladders = {
         wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))

@@ -384,9 +384,13 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
             ),
         )  # fmt: skip
     qs, os_, ks, vs, kcs, vcs, vector = found
-    same = out is q or oa == qa  # out may be q in place, and no other array at its address
+    # out at q's address is q itself (the caller refuses any other overlap): the kernel then
+    # addresses it through q's view and offsets, whichever way each was reached
+    same = out is q or oa == qa
+    if same:
+        of, os_ = qf, qs
     args = (
-        qf, of if not same else qf, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
+        qf, of, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
         cos, sin, block, hq, hkv, spec.rotary_dim, d, spec.half_style, False, q_weight,
         k_weight, eps, k_multiplier, v_multiplier, vector,
     )  # fmt: skip

@@ -122,7 +122,8 @@ class RowsPlan:
         self.table_source = engine.freq_set(None).tables
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         self.cap = self.table_source.cap(self.table_dtype)
-        # an int position's row past the cap (set by _grow once one comes)
+        # a single position's row past the cap (set once one comes: by _grow for an int, by
+        # _past_cap for a one-entry array)
         self.row_at = None
         # Once array positions came past the cap, every call takes rows made for it (the
         # cache's values at any position) without first asking the kernel.
@@ -238,8 +239,9 @@ class RowsPlan:
 
     def _past_cap(self, xs, pos, inverse, outs, seq_len):
         """Positions (checked) past the cache's cap: each operand's rows made for this call
-        from the level tables (``CosSinTables.integer_rows``, the cache's values), and the
-        kernel run on them with its positions numbered 0..R-1."""
+        from the level tables (``CosSinTables.integer_rows``, the cache's values; a single
+        position's by ``row_at``, which keeps the last one), and the kernel run on them with
+        its positions numbered 0..R-1."""
         if len(xs) == 2 and outs is not None and _may_share(xs, outs):
             return self.general.run(xs, pos, inverse, outs, seq_len)
         results = []
