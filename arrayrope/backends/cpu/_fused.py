@@ -20,7 +20,7 @@ from numba.extending import intrinsic, overload
 from ..._cache import Bounded
 from .._geometry import flat_view
 from . import _config
-from ._config import DISK_CACHE, VECTOR_BYTES
+from ._config import DISK_CACHE, HARDWARE_F16, VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
 from ._simd import copy_bytes
@@ -336,8 +336,6 @@ def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
     targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
     block and tail of whole 16 bytes, 16-byte aligned target rows, unit-stride table rows, and
     float16 converted by the CPU."""
-    from . import HARDWARE_F16
-
     item = x.itemsize
     block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
     if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
