@@ -96,6 +96,13 @@ class Engine:
                 plan = self.plans.get(key)
                 if plan is not None:
                     return plan.rotate(x, pos, inverse, out, seq_len)
+        elif (
+            type(x) is _interop.torch_tensor
+            and out is None
+            and (pos is None or type(pos) is int)
+            and (native := _interop.eager_view(x)) is not None
+        ):  # an eager decode step on a CPU tensor: its memory as NumPy, the result back
+            return _interop.from_numpy(self.rotate(native, pos, inverse, None, backend, seq_len))
         elif _interop.torch_ops_wanted(x, pos, out):
             return _interop.torch_ops().rotate(self.key, x, pos, inverse, out, backend, seq_len)
         elif out is None or out is x:

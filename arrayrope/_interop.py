@@ -162,15 +162,21 @@ def torch_library():
 
 _torch_ops = None
 
+# Set when _torch_ops loads: torch.Tensor, _torch_ops.eager_view and torch.from_numpy, for
+# the eager decode step's way in Engine.rotate (None until a torch tensor has been seen).
+torch_tensor = eager_view = from_numpy = None
+
 
 def torch_ops():
     """arrayrope._torch_ops, which imports torch and registers the operators: loaded once a
     torch tensor needs it."""
-    global _torch_ops
+    global _torch_ops, torch_tensor, eager_view, from_numpy
     if _torch_ops is None:
         from . import _torch_ops as module
 
         _torch_ops = module
+        torch_tensor, eager_view = module.torch.Tensor, module.eager_view
+        from_numpy = module.torch.from_numpy
     return _torch_ops
 
 

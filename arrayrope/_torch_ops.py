@@ -18,6 +18,7 @@ from ._errors import RopeTypeError, RopeValueError
 from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
 
 _Tensor = torch.Tensor
+_bfloat16 = torch.bfloat16
 
 
 _compiling = torch.compiler.is_compiling
@@ -46,6 +47,23 @@ def wanted(x, pos, out, k=None):
     if out is not None:
         return any(_special(o) for o in out) if isinstance(out, (tuple, list)) else _special(out)
     return False
+
+
+def eager_view(x):
+    """A NumPy view of the torch tensor ``x`` where a call on ``x`` alone (no out; an int
+    position or none) takes the path every array takes: a plain CPU tensor of a type NumPy
+    holds, with no lazy negation, that nothing traces, transforms or records. Else None.
+    :func:`wanted` and the fast adopter in one, for an eager decode step."""
+    if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
+        return None
+    if _forward_ad._current_level >= 0 or x.requires_grad and _grad() or x.is_meta:
+        return None
+    if not x.is_cpu or x.dtype is _bfloat16:
+        return None
+    try:
+        return x.numpy()
+    except (RuntimeError, TypeError):  # a negative or conjugate bit: the general way says so
+        return None
 
 
 def _special(t):
