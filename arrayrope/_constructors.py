@@ -19,6 +19,7 @@ def axial(
     style: str = "interleaved",
     max_positions: int | None = None,
     scaling: ScalingRule | None = None,
+    angles: str = "exact",
 ) -> RoPE:
     """Multi-axis RoPE with per-axis frequencies (FLUX ``axes_dim``, 2-D ViT RoPE).
 
@@ -36,6 +37,7 @@ def axial(
         a owns pairs p..p+dims[a]/2 of the global half split, features j and j + head_dim/2.
     {max_positions}
     {scaling}
+    {angles}
 
     Returns
     -------
@@ -58,6 +60,7 @@ def axial(
         scaling,
         blocks=[(n, base) for n in dims],
         pair_axis=pair_axis,
+        angles=angles,
     )
     return rope
 
@@ -73,6 +76,7 @@ def sectioned(
     rotary_dim: int | None = None,
     max_positions: int | None = None,
     scaling: ScalingRule | None = None,
+    angles: str = "exact",
 ) -> RoPE:
     """Multi-axis RoPE with shared frequencies (Qwen2-VL M-RoPE, Qwen3-VL).
 
@@ -95,6 +99,7 @@ def sectioned(
     {rotary_dim}
     {max_positions}
     {scaling}
+    {angles}
 
     Returns
     -------
@@ -117,6 +122,7 @@ def sectioned(
         scaling,
         blocks=[(rotary_dim, base)],
         pair_axis=pair_axis,
+        angles=angles,
     )
     return rope
 
@@ -129,6 +135,7 @@ def from_hf_config(
     part: str | None = None,
     style: str | None = None,
     max_positions: int | None = None,
+    angles: str = "exact",
 ) -> RoPE:
     """The RoPE a Hugging Face model config describes, as transformers rotates it.
 
@@ -157,6 +164,9 @@ def from_hf_config(
         config with ``rope_interleave: true``).
     max_positions : int, optional
         As in :class:`RoPE`.
+    angles : {"exact", "transformers"}
+        As in :class:`RoPE`: "transformers" makes the family's tables as its rotary module
+        makes them, for logits that match the model's bit for bit.
 
     Returns
     -------
@@ -176,7 +186,7 @@ def from_hf_config(
     """
     from ._hf_config import rope_from_hf_config
 
-    return rope_from_hf_config(cls, config, style, max_positions, layer_type, part)
+    return rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles)
 
 
 def from_hf_layers(
@@ -186,12 +196,13 @@ def from_hf_layers(
     part: str | None = None,
     style: str | None = None,
     max_positions: int | None = None,
+    angles: str = "exact",
 ) -> dict[str, RoPE | None]:
     """Every layer type's RoPE of a Hugging Face config with ``layer_types``.
 
     Parameters
     ----------
-    config, part, style, max_positions
+    config, part, style, max_positions, angles
         As in :meth:`from_hf_config`.
 
     Returns
@@ -208,4 +219,4 @@ def from_hf_layers(
     """
     from ._hf_config import hf_layer_ropes
 
-    return hf_layer_ropes(cls, config, style, max_positions, part)
+    return hf_layer_ropes(cls, config, style, max_positions, part, angles)

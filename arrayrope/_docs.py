@@ -30,6 +30,14 @@ max_positions : int, optional
     "scaling": """\
 scaling : a rule from :mod:`arrayrope.scaling`, optional
     Long-context frequency scaling; None is plain RoPE.""",
+    "angles": """\
+angles : {"exact", "transformers"}
+    How the cos/sin tables are made. "exact" (the default): cos and sin of the float64 angle
+    m * theta_i, rounded once, at every position. "transformers": as Hugging Face transformers
+    makes them, frequencies, m * theta_i, cos and sin all in torch's float32 on the CPU, so
+    a float32 rotation matches a transformers model's bit for bit (it differs from "exact" by
+    up to about m * theta_i * 2**-23 radians at position m). Needs torch; every row is made
+    by torch, so long positions cost more than in "exact" mode.""",
     # the operands and settings of a rotation
     "x": """\
 x : array, shape (..., head_dim)

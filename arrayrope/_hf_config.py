@@ -165,7 +165,7 @@ def _rule(kind, params, cfg):
     return None
 
 
-def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
+def rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles):
     cfg = read.part_of(read.fields(config), part)
     _check_form(cfg, config)
     if not layouts.has_rope(cfg, layer_type):
@@ -174,7 +174,7 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part):
         switch = layouts.ROPE_SWITCHES.get(model_type)
         why = f" with {switch} off" if switch else ""
         raise RopeValueError(f"{which} of model_type {model_type!r} take no RoPE{why}")
-    return _rope(cls, cfg, style, max_positions, layer_type)
+    return _rope(cls, cfg, style, max_positions, layer_type, angles)
 
 
 def _check_form(cfg, config):
@@ -191,7 +191,7 @@ def _check_form(cfg, config):
             )
 
 
-def _rope(cls, cfg, style, max_positions, layer_type):
+def _rope(cls, cfg, style, max_positions, layer_type, angles):
     """The RoPE of the (part's) fields ``cfg`` at ``layer_type``."""
     from . import scaling as sc
 
@@ -216,6 +216,7 @@ def _rope(cls, cfg, style, max_positions, layer_type):
         return _build(
             cls, head_dim, rotary_dim, style, theta, max_positions, None,
             blocks=blocks, pair_axis=pair_axis, pick=layouts.pick(sign, order, len(pair_axis)),
+            angles=angles,
         )  # fmt: skip
     if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
         head_dim = read.integer(cfg, "qk_rope_head_dim")
@@ -255,25 +256,26 @@ def _rope(cls, cfg, style, max_positions, layer_type):
     return _build(
         cls, head_dim, rotary_dim, style, theta, max_positions, rule,
         blocks=[(rotated, theta)], pair_axis=pair_axis,
-        pick=layouts.pick(sign, None, rotary_dim // 2),
+        pick=layouts.pick(sign, None, rotary_dim // 2), angles=angles,
     )  # fmt: skip
 
 
 def _build(
-    cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, pick=None
-):
+    cls, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis, pick=None,
+    angles="exact",
+):  # fmt: skip
     """A RoPE of any frequency blocks and pair layout (see RoPE._setup), checked as the public
     constructors check theirs."""
     head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
     rope = cls.__new__(cls)
     rope._setup(
         head_dim, rotary_dim, style_arg(style), base_arg(base), max_positions, scaling,
-        blocks, pair_axis, pick,
+        blocks, pair_axis, pick, angles,
     )  # fmt: skip
     return rope
 
 
-def hf_layer_ropes(cls, config, style, max_positions, part):
+def hf_layer_ropes(cls, config, style, max_positions, part, angles):
     """{layer type: RoPE, or None for a layer type without RoPE} of every layer type."""
     cfg = read.part_of(read.fields(config), part)
     _check_form(cfg, config)
@@ -286,5 +288,5 @@ def hf_layer_ropes(cls, config, style, max_positions, part):
         if nested is not None and nested[kind] is None or not layouts.has_rope(cfg, kind):
             ropes[kind] = None
         else:
-            ropes[kind] = _rope(cls, cfg, style, max_positions, kind if nested else None)
+            ropes[kind] = _rope(cls, cfg, style, max_positions, kind if nested else None, angles)
     return ropes

@@ -16,9 +16,9 @@ def filled(plan, xs, resolved, tables, inverse, results, in_place):
     """Rotate into ``results`` by the CPU's direct path with each position's row filled from
     the level tables inside the kernel (``backends.cpu.launch_filled``): no per-call rows, and
     each row made once per chunk of positions for all the rows at it (the heads). False, with
-    nothing written, where that path cannot take the call (a multi-axis RoPE, another
-    backend, a layout the direct path refuses)."""
-    if plan.launch_filled is None or plan.spec.n_axes != 1:
+    nothing written, where that path cannot take the call (a multi-axis RoPE, transformers'
+    tables, another backend, a layout the direct path refuses)."""
+    if plan.launch_filled is None or plan.spec.n_axes != 1 or not tables.filled:
         return False
     operands, write_back = [], []
     for x, out, (values, _, _), same in zip(xs, results, resolved, in_place):

@@ -134,8 +134,12 @@ class GeneralPlan:
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         # the reference works on any layout; the kernels address some through temporaries
         self.any_layout = backend == "numpy"
-        # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._flag)
-        self.device_checked = array_family == CUPY and backend != "numpy"
+        # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._flag),
+        # except for transformers' tables, whose rows past the table only the host makes: their
+        # range is read on the host, as the reference's is
+        self.device_checked = (
+            array_family == CUPY and backend != "numpy" and engine.freq_set(None).tables.filled
+        )
         self.device = backends.device() if array_family == CUPY else None  # the GPU's hook
         self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
         self.nlead = max(1, max(x.ndim - 1 for x in xs))

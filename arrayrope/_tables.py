@@ -13,7 +13,8 @@ Two kinds of table:
 
 Every integer row, cached or per call, comes from three small level tables by angle addition
 (``backends.cpu._angles``): the same values at any position below 2**31, in memory that does
-not grow with it, with no cos or sin per element.
+not grow with it, with no cos or sin per element. transformers' tables (``_hf_angles``) are
+the exception: torch makes each of their rows.
 """
 
 import threading
@@ -46,19 +47,26 @@ def _angles_to_tables(xp, angles, scale, dtype):
 class FreqSet:
     """One set of pair frequencies with its attention scaling and cos/sin tables."""
 
-    def __init__(self, inv_freq, pair_axis, attention_scaling, max_rows):
+    def __init__(self, inv_freq, pair_axis, attention_scaling, max_rows, tables=None):
         self.inv_freq = inv_freq
         self.attention_scaling = float(attention_scaling)
-        self.tables = CosSinTables(inv_freq, pair_axis, attention_scaling, max_rows)
+        self.tables = (tables or CosSinTables)(inv_freq, pair_axis, attention_scaling, max_rows)
 
     @classmethod
-    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, pick=None):
+    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, pick=None, angles="exact"):
         """The set of a RoPE's frequency ``blocks`` ((features, base) runs, concatenated) under
         ``scaling`` at its ``selected`` length, handed to the pairs as ``pick`` says (see
         RoPE._setup), whose tables multiply into cos and sin what ``mode`` asks: the attention
         scaling ("rotate"), one ("shift": a pure rotation), or its inverse ("undo": the exact
-        undo)."""
-        if scaling is None:
+        undo). ``angles="transformers"``: transformers' float32 frequencies and tables (see
+        ``_hf_angles``)."""
+        tables = None
+        if angles == "transformers":
+            from . import _hf_angles
+
+            inv_freq, scale = _hf_angles.frequencies(blocks, scaling, selected)
+            tables = _hf_angles.HFTables
+        elif scaling is None:
             inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in blocks])
             scale = 1.0
         else:
@@ -68,7 +76,7 @@ class FreqSet:
             sign, order = pick
             inv_freq = sign * np.asarray(inv_freq)[list(order)]
         inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
-        return cls(inv_freq, pair_axis, scale, max_rows)
+        return cls(inv_freq, pair_axis, scale, max_rows, tables)
 
 
 class CosSinTables:
@@ -84,6 +92,9 @@ class CosSinTables:
     max_rows : int or None
         Cap on cached rows; None picks one from ``DEFAULT_CACHE_BYTES``.
     """
+
+    # Whether kernels may make rows from the level tables (see level_arrays)
+    filled = True
 
     def __init__(self, inv_freq, pair_axis, scale, max_rows=None):
         self.inv_freq = inv_freq

@@ -38,7 +38,8 @@ def _restore(config):
     """The process-wide RoPE of a pickled configuration (see RoPE.__reduce__)."""
     rope = _restored.get(config)
     if rope is None:
-        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base, *pick = config
+        head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config[:8]
+        pick, angles = config[8:]
         rope = RoPE.__new__(RoPE)
         rope._setup(
             head_dim,
@@ -49,7 +50,8 @@ def _restore(config):
             scaling,
             list(blocks),
             np.array(pair_axis, dtype=np.int64),
-            pick[0] if pick else None,
+            pick,
+            angles,
         )
         rope = _restored.put(config, rope)
     return rope
@@ -72,10 +74,11 @@ class RoPE:
     {rotary_dim}
     {max_positions}
     {scaling}
+    {angles}
 
     Attributes
     ----------
-    head_dim, rotary_dim, style, base, max_positions, scaling : as given
+    head_dim, rotary_dim, style, base, max_positions, scaling, angles : as given
     n_axes : int
         Position components per token: 1, or the axes of :meth:`axial` and :meth:`sectioned`.
 
@@ -93,6 +96,7 @@ class RoPE:
         rotary_dim: int | None = None,
         max_positions: int | None = None,
         scaling: ScalingRule | None = None,
+        angles: str = "exact",
     ) -> None:
         head_dim, rotary_dim = dims_arg(head_dim, rotary_dim)
         base = base_arg(base)
@@ -105,11 +109,12 @@ class RoPE:
             scaling,
             blocks=[(rotary_dim, base)],
             pair_axis=np.zeros(rotary_dim // 2, np.int64),
+            angles=angles,
         )
 
     def _setup(
         self, head_dim, rotary_dim, style, base, max_positions, scaling, blocks, pair_axis,
-        pick=None,
+        pick=None, angles="exact",
     ):  # fmt: skip
         """Shared by every constructor: ``blocks`` lists (features, base) of the frequency runs
         that are concatenated into inv_freq (ceil(features / 2) pairs each, at exponents over
@@ -125,6 +130,13 @@ class RoPE:
                     f"YaRN, Llama3, LongRoPE, Proportional) or None, got {scaling!r}"
                 )
             scaling.check(blocks)
+        if not (isinstance(angles, str) and angles in ("exact", "transformers")):
+            raise RopeValueError(f"angles must be 'exact' or 'transformers', got {angles!r}")
+        if angles == "transformers":
+            from ._hf_angles import torch_or_error
+
+            torch_or_error()
+        self.angles = angles
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.style = style
@@ -171,7 +183,7 @@ class RoPE:
                     key,
                     FreqSet.of(
                         self._blocks, self.scaling, key[0], mode, self._spec.pair_axis,
-                        self.max_positions, self._pick,
+                        self.max_positions, self._pick, self.angles,
                     ),
                 )  # fmt: skip
         return found
@@ -196,6 +208,7 @@ class RoPE:
             tuple(int(a) for a in self._spec.pair_axis),
             self.base,
             self._pick,
+            self.angles,
         )
         return _restore, (config,)
 
@@ -213,6 +226,7 @@ class RoPE:
 
     def __repr__(self):
         extra = "" if self.scaling is None else f", scaling={self.scaling!r}"
+        extra += "" if self.angles == "exact" else f", angles={self.angles!r}"
         if self._pick is not None:  # frequencies as a Hugging Face family hands them out
             sign, order = self._pick
             extra += ", turned the other way" if sign < 0 else ""

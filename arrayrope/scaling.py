@@ -8,6 +8,7 @@ All arithmetic is float64. Hugging Face transformers computes these frequencies 
 its inv_freq differs from arrayrope's by up to ~6e-8 relative (one float32 rounding); at position
 p that is an angle difference of up to p * theta * 6e-8 rad (2e-3 rad at p = 32768, theta = 1),
 which is float32's error, not the method's (docs/performance.md shows the consequence).
+``RoPE(..., angles="transformers")`` computes them as transformers does instead (``_hf_angles``).
 
 Length-dependent rules (DynamicNTK, LongRoPE) pick their frequencies from the current sequence
 length L: by default ``max(pos) + 1`` of each call, as Hugging Face derives it from position ids;

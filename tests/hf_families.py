@@ -304,6 +304,7 @@ def _rotate(rope, x, pos, head_axis, deinterleaved):
 
 
 BIT_EXACT = "apply_cos_sin of its own tables gives its q and k bit for bit"
+HF_ANGLES = "angles='transformers' gives them too"
 # Families that normalize q and k after the rotation (so that a scaling rule's attention factor
 # cancels there): their results are compared up to that factor.
 NORMALIZED_AFTER = frozenset({"llama4", "nanochat", "timesfm2_5"})
@@ -651,7 +652,12 @@ def drive(module_name, rotary_name, seed=0, variant=None):
                 note += ", attention scaling normalized away after the rotation"
             elif not deinterleaved and _same_bits(rope, embeddings, q0, q1, k0, k1, pos, axis):
                 note += ", " + BIT_EXACT
-            return MATCH, f"{where}: {rope!r}{note}"
+                hf = ar.RoPE.from_hf_config(config, angles="transformers", **kw)
+                same = (_rotate(hf, a, pos, axis, False) for a in (q0, k0))
+                if all(np.array_equal(a.view(np.uint32), b.view(np.uint32))
+                       for a, b in zip(same, (q1, k1))):  # fmt: skip
+                    note += ", " + HF_ANGLES
+            return MATCH, f"{where}{note}: {rope!r}"  # the notes first: details are cut at 300
         return WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"
 
     # a vision tower's attention takes its patches with or without a batch axis
@@ -683,6 +689,8 @@ def main():
             counts[result.status, variant] = counts.get((result.status, variant), 0) + 1
             if BIT_EXACT in result.detail:
                 counts["bit for bit", variant] = counts.get(("bit for bit", variant), 0) + 1
+            if HF_ANGLES in result.detail:
+                counts["angles", variant] = counts.get(("angles", variant), 0) + 1
             print(f"{result.status:9} {family:24} {result.rotary:40} {variant or '':5} "
                   f"{result.detail}", flush=True)  # fmt: skip
     print(counts, file=sys.stderr)

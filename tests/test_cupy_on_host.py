@@ -617,3 +617,16 @@ def test_apply_cos_sin_on_the_device(cp, rng, backend, dtype, duplicated):
         with pytest.raises(ar.RopeValueError, match="cannot be captured in a CUDA graph"):
             ar.apply_cos_sin(*on_device, **kw)
         stream.end_capture()
+
+
+def test_transformers_angles_read_device_positions_on_the_host(cp, rng):
+    # transformers' tables have no level tables for the kernels to make rows past the table
+    # from: device positions are read on the host, rows past the table made there, and the
+    # results are the CPU's bits at every position
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    rope = ar.RoPE(16, rotary_dim=12, max_positions=16, angles="transformers")
+    x = random_array(rng, (2, 4, 7, 16), np.float32)
+    values = np.array([0, 5, 15, 16, 1000, 123456789, 2**31 - 1])
+    got = rope.rotate(cp.asarray(x), cp.asarray(values)).get()
+    np.testing.assert_array_equal(bits(got), bits(rope.rotate(x, values)))
+    assert not np.isnan(got).any()

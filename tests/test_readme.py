@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parents[1] / "README.md"
-OPTIONAL = {"torch", "jax", "dask", "cupy", "distributed"}
+OPTIONAL = {"torch", "jax", "dask", "cupy", "distributed", "transformers"}
 
 
 def _blocks():
