@@ -47,17 +47,20 @@ def resolve_lazy_bits(name, a, written):
 
 def _positions(pos, pos_int, pos_float):
     if pos is not None:
-        pos = resolve_lazy_bits("pos", pos.detach(), False)
-        return pos.numpy() if pos.device.type == "cpu" else pos
+        return _native(pos, "pos")
     return pos_int if pos_int is not None else pos_float
 
 
 def _native(t, name="x", written=False):
     """A plain view of ``t``'s memory for the kernels: NumPy on the CPU, the tensor itself
     (adopted through DLPack on torch's stream) on a GPU. A lazy negation is resolved first
-    (refused where ``t`` is written)."""
-    t = resolve_lazy_bits(name, t.detach(), written)
-    if t.device.type != "cpu":
+    (refused where ``t`` is written). Each test is one call into torch: a compiled decode
+    step pays for this on every operand."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = resolve_lazy_bits(name, t, written)
+    if not t.is_cpu:
         return t
     if t.dtype == torch.bfloat16:
         import ml_dtypes
@@ -66,19 +69,23 @@ def _native(t, name="x", written=False):
     return t.numpy()
 
 
-def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len):
+def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len, targets=None):
     """The kernels of engine ``key`` on plain views of ``xs``, into ``outs`` (which may be
-    ``xs`` themselves)."""
+    ``xs`` themselves), or into ``targets``, the plain views of new results (see
+    :func:`_fresh`)."""
     engine = _engine(key, xs[0].shape[-1])
     p = _positions(pos, pos_int, pos_float)
     if len(xs) == 1:
         x, out = xs[0], outs[0]
         native = _native(x, "x", out is x)
-        target = native if out is x else _native(out, "out", True)
+        if targets is not None:
+            target = targets[0]
+        else:
+            target = native if out is x else _native(out, "out", True)
         engine.rotate(native, p, inverse, target, backend, seq_len)  # a decode step's way
         return
     natives = tuple(_native(x, name, any(x is o for o in outs)) for x, name in zip(xs, "qk"))
-    native_outs = tuple(
+    native_outs = targets or tuple(
         n if o is x else _native(o, "out", True) for o, x, n in zip(outs, xs, natives)
     )
     engine.run(natives, p, inverse, native_outs, backend, seq_len)
@@ -103,14 +110,27 @@ def _check(key, xs):
 
 
 def _new(x):
-    """A new contiguous tensor like ``x``. On the CPU its memory comes from NumPy, which asks
-    the kernel for huge pages for large arrays: a fresh torch allocation of a prefill's size
-    costs more in page faults than the rotation."""
+    """A new contiguous tensor like ``x`` (see :func:`_fresh`)."""
     if x.device.type != "cpu" or isinstance(x, torch._subclasses.FakeTensor) or x.is_meta:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _fresh(x)[0]
+
+
+def _fresh(x):
+    """(a new contiguous tensor like the real tensor ``x``, the plain view of it the kernels
+    write). On the CPU its memory comes from NumPy, which asks the kernel for huge pages for
+    large arrays: a fresh torch allocation of a prefill's size costs more in page faults
+    than the rotation."""
+    if not x.is_cpu:
+        new = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return new, new
     if x.dtype == torch.bfloat16:
-        return torch.from_numpy(np.empty(x.shape, np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.empty(x.shape, _NUMPY_DTYPES[x.dtype]))
+        import ml_dtypes
+
+        bits = np.empty(x.shape, np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16), bits.view(ml_dtypes.bfloat16)
+    memory = np.empty(x.shape, _NUMPY_DTYPES[x.dtype])
+    return torch.from_numpy(memory), memory
 
 
 # The arguments every operator ends with: positions (one of the three), the engine's key,
@@ -141,8 +161,8 @@ def _define():
         lib.define(schema)
 
     def rotate(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        out = _new(x)
-        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
+        out, target = _fresh(x)
+        _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len, (target,))
         return out
 
     def rotate_(x, pos, pos_int, pos_float, key, inverse, backend, seq_len):
@@ -152,8 +172,9 @@ def _define():
         _run(key, (x,), pos, pos_int, pos_float, inverse, (out,), backend, seq_len)
 
     def rotate_qk(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
-        q_out, k_out = _new(q), _new(k)
-        _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
+        (q_out, q_target), (k_out, k_target) = _fresh(q), _fresh(k)
+        outs, targets = (q_out, k_out), (q_target, k_target)
+        _run(key, (q, k), pos, pos_int, pos_float, inverse, outs, backend, seq_len, targets)
         return q_out, k_out
 
     def rotate_qk_(q, k, pos, pos_int, pos_float, key, inverse, backend, seq_len):
