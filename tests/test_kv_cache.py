@@ -364,3 +364,65 @@ def test_out_at_qs_address_reached_another_way_is_in_place(alias, rng):
     rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
     assert np.array_equal(bits(view), bits(want))
     assert np.isnan(big[size:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["new", "out", "in place"])
+def test_a_decode_loop_checks_each_step(dtype, where, rng):
+    # From the second step on, a loop's layouts are known (kept per layout): each step still
+    # gets rotate_qk's and a scatter's bits, and what a step's own values get wrong is refused
+    # with nothing written
+    rope = ar.RoPE(16, style="half", max_positions=64)
+    n, hq, hkv, d = 4, 3, 2, 16
+    k_cache, v_cache = _caches(rng, 4, 4, hkv, d, dtype, "HND")
+    for step in range(6):
+        q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+        # positions inside the table, then past it (64 rows)
+        pos = rng.integers(0, 60, n) if step < 4 else rng.integers(64, 2**31, n)
+        slots = rng.permutation(16)[:n].astype(np.int64)
+        want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+        expected_k, expected_v = _rows(k_cache, "HND").copy(), _rows(v_cache, "HND").copy()
+        expected_k[slots], expected_v[slots] = want_k, v
+        out = {"new": None, "out": np.full(q.shape, np.nan, dtype), "in place": q}[where]
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out,
+                                     cache_layout="HND")  # fmt: skip
+        assert out is None or got is out
+        assert np.array_equal(bits(got), bits(want_q))
+        assert np.array_equal(bits(_rows(k_cache, "HND")), bits(expected_k))
+        assert np.array_equal(bits(_rows(v_cache, "HND")), bits(expected_v))
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+    before = k_cache.copy(), v_cache.copy(), q.copy()
+    bad = {
+        "slots must be distinct": (np.arange(n), np.array([1, 5, 1, 2])),
+        "slots must be below": (np.arange(n), np.array([1, 5, 16, 2])),
+        "pos must": (np.array([1, -2, 3, 4]), np.arange(n)),
+    }
+    for message, (pos, slots) in bad.items():
+        with pytest.raises(ar.RopeValueError, match=message):
+            rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, cache_layout="HND")
+    for a, b in zip(before, (k_cache, v_cache, q)):
+        assert np.array_equal(bits(a), bits(b))
+
+
+def test_a_decode_loop_still_sees_arrays_that_share_memory(rng):
+    # out of the layout of an earlier step's out, now inside k's cache: refused
+    rope = ar.RoPE(8)
+    n, d = 2, 8
+    memory = np.zeros(2 * n * d, np.float32)
+    k_cache = memory[: n * d].reshape(n, 1, 1, d)  # n blocks of one slot
+    v_cache = np.zeros_like(k_cache)
+    q, k, v = _qkv(rng, n, 1, 1, d, np.float32, True)
+    pos, slots = np.arange(n), np.arange(n)
+    elsewhere = np.zeros(2 * n * d, np.float32)
+    for _ in range(2):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots,
+                               out=elsewhere[n * d :].reshape(n, 1, d))  # fmt: skip
+    inside = memory[: n * d].reshape(n, 1, d)  # the same layout and flags, in k_cache
+    with pytest.raises(ar.RopeValueError, match="share memory"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=inside)
+    # and a RoPE of another kind with the same layouts takes its own way
+    dynamic = ar.RoPE(8, scaling=ar.scaling.DynamicNTK(2.0, 4))
+    far = np.array([10, 50])
+    got = dynamic.rotate_into_cache(q, k, v, far, k_cache, v_cache, slots,
+                                    out=elsewhere[n * d :].reshape(n, 1, d))  # fmt: skip
+    assert np.array_equal(bits(got), bits(dynamic.rotate(q, far[:, None])))

@@ -290,12 +290,33 @@ def _address(a):
     return a.ctypes.data
 
 
-def _view(a):
+@njit(cache=DISK_CACHE, nogil=True)
+def addresses(q, out, k, v, k_cache, v_cache):
+    """The six operands' addresses (their bits views: see _bits_view), in one compiled call."""
+    return (
+        q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, k_cache.ctypes.data,
+        v_cache.ctypes.data,
+    )  # fmt: skip
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def step_inputs(slots, pos, capacity):
+    """A decode step's int64 slots and positions, copied (the caller's may change meanwhile:
+    they are checked and used as one copy) and checked in one call: (check_slots' status and
+    value, the positions' lowest and highest, the slots, the positions)."""
+    slots, pos = slots.copy(), pos.copy()
+    status, value = check_slots(slots, capacity)
+    low, high = bounds(pos)
+    return status, value, low, high, slots, pos
+
+
+def _view(a, address=None):
     """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8), the
-    element offset of a[0, ..., 0] in it and a's address. A view of a contiguous array (q, k
-    and v of one QKV buffer) is addressed through that array: flat_view's general way costs
-    more than the kernel of a decode step."""
-    address = _address(_bits_view(a, a.dtype))  # Numba types the half types by their bits
+    element offset of a[0, ..., 0] in it and a's address (computed where not given). A view
+    of a contiguous array (q, k and v of one QKV buffer) is addressed through that array:
+    flat_view's general way costs more than the kernel of a decode step."""
+    if address is None:
+        address = _address(_bits_view(a, a.dtype))  # Numba types the half types by their bits
     if a.flags.c_contiguous:
         return _bits_view(a.reshape(-1), a.dtype), 0, address
     owner, apart = a.base, 1
@@ -309,12 +330,12 @@ def _view(a):
 
 
 def _bits_view(a, dtype):
-    bits = _bits(dtype)
+    bits = bits_of(dtype)
     return a if bits is None else a.view(bits)
 
 
 @functools.cache
-def _bits(dtype):
+def bits_of(dtype):
     """The integer type the kernel reads a dtype's elements as, or None for its own."""
     return {"float16": np.int16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype.name)
 
@@ -354,13 +375,15 @@ def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
 
 
 def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec, q_weight,
-           k_weight, eps, k_multiplier, v_multiplier):  # fmt: skip
+           k_weight, eps, k_multiplier, v_multiplier, known=(None,) * 6):  # fmt: skip
     """Run :func:`fused_range` over every token, on Numba's threads where the step is large.
-    The caller has checked every argument (see _kv_cache)."""
+    The caller has checked every argument (see _kv_cache); ``known``: the operands' addresses
+    where it has them (see :func:`addresses`)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _) = (_view(a) for a in (q, out, k, v))
-    (kcf, kcb, kca), (vcf, vcb, vca) = _view(k_cache), _view(v_cache)
+    arrays = (q, out, k, v, k_cache, v_cache)
+    views = [_view(a, address) for a, address in zip(arrays, known)]
+    (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _), (kcf, kcb, kca), (vcf, vcb, vca) = views
     # what follows from the layout alone, kept: a decode loop brings the same one each step
     key = (
         spec, layout, q.dtype, k_cache.dtype, v_cache.dtype, q.shape, k.shape, k_cache.shape,
