@@ -41,8 +41,13 @@ def frequencies(blocks, scaling, key):
     return torch.cat(parts).numpy(), scale
 
 
+def _exponents(torch, dim, stop=None):
+    """2i / dim for the pairs i below stop / 2 (all of dim's), in float32, as transformers."""
+    return torch.arange(0, dim if stop is None else stop, 2, dtype=torch.int64).float() / dim
+
+
 def _plain(torch, dim, base):
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** _exponents(torch, dim))
 
 
 def _block(torch, rule, dim, base, key):
@@ -59,20 +64,17 @@ def _block(torch, rule, dim, base, key):
         length = torch.tensor(key)
         factor, orig = rule.factor, rule.original_max_positions
         grown = base * ((factor * length / orig) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (grown ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (grown ** _exponents(torch, dim))
     if isinstance(rule, sc.YaRN):
         return _yarn(torch, rule, dim, base)
     if isinstance(rule, sc.Llama3):
         return _llama3(torch, rule, dim, base)
     if isinstance(rule, sc.LongRoPE):
         factors = rule.long_factor if key == "long" else rule.short_factor
-        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**shape)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** _exponents(torch, dim))
     if isinstance(rule, sc.Proportional):
         rotated = int(rule.fraction * dim // 2)
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / dim)
-        )
+        inv_freq = 1.0 / (base ** _exponents(torch, dim, 2 * rotated))
         inv_freq = torch.cat((inv_freq, torch.zeros(dim // 2 - rotated, dtype=torch.float32)))
         return inv_freq / rule.factor
     raise AssertionError(f"arrayrope: no transformers form of {rule!r}")  # every rule is above
@@ -90,7 +92,7 @@ def _yarn(torch, rule, dim, base):
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** _exponents(torch, dim)
     extrapolated = 1.0 / pos_freqs
     interpolated = 1.0 / (rule.factor * pos_freqs)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -117,6 +119,7 @@ class HFTables(CosSinTables):
     False: no kernel may make rows from level tables for these."""
 
     filled = False
+    _float32 = None  # inv_freq as the float32 tensor the rows multiply, made on first use
 
     def integer_rows(self, dtype, positions):
         positions = np.asarray(positions, dtype=np.int64)
@@ -127,23 +130,12 @@ class HFTables(CosSinTables):
     def _column(self, dtype, first, rows):
         return self._rows(dtype, np.arange(first, first + rows, dtype=np.int64)[:, None])
 
-    def row_at(self, dtype):
-        last = [(-1, None)]  # as CosSinTables.row_at: the last position's rows, never written
-
-        def row_at(m):
-            held = last[0]
-            if held[0] == m:
-                return held[1]
-            rows = self._rows(dtype, np.array([[m]], dtype=np.int64))
-            last[0] = (m, rows)
-            return rows
-
-        return row_at
+    def _row_maker(self, dtype):
+        return lambda m: self._rows(dtype, np.array([[m]], dtype=np.int64))
 
     def at_least(self, xp, device, dtype, rows):
-        # positions on a device are read in the kernels, which cannot make these rows past
-        # the table: the whole table, up to its cap
-        return self.cached(xp, device, dtype, self.cap(dtype) - 1)
+        # for positions the host does not read: the plan reads these tables' positions
+        raise AssertionError("arrayrope: transformers' tables take positions read on the host")
 
     def exact(self, xp, dtype, positions):
         host = positions if xp is np else positions.get()
@@ -153,11 +145,16 @@ class HFTables(CosSinTables):
     def level_arrays(self):
         raise AssertionError("arrayrope: transformers' tables have no level tables")
 
+    def level_bytes(self):
+        return 0
+
     def _rows(self, dtype, positions):
         """cos and sin stacked, (2, R, n_pairs) of ``dtype``, at ``positions`` of shape
         (R, n_pairs) or (R, 1), each pair's own: transformers' float32 values."""
         torch = torch_or_error()
-        inv_freq = torch.from_numpy(self.inv_freq.astype(np.float32))
+        inv_freq = self._float32
+        if inv_freq is None:  # (two threads may both make it: alike)
+            inv_freq = self._float32 = torch.from_numpy(self.inv_freq.astype(np.float32))
         angles = torch.from_numpy(np.ascontiguousarray(positions)).float() * inv_freq
         out = torch.stack((angles.cos(), angles.sin()))
         if self.scale != 1.0:

@@ -124,9 +124,10 @@ def _rule(kind, params, cfg):
     if kind == "linear":
         return sc.Linear(read.need(params, "factor", "rope_scaling"))
     if kind == "dynamic":
+        # transformers grows the base past max_position_embeddings, whatever
+        # original_max_position_embeddings says (its module starts there and its formula reads it)
         return sc.DynamicNTK(
-            read.need(params, "factor", "rope_scaling"),
-            orig or read.need(cfg, "max_position_embeddings"),
+            read.need(params, "factor", "rope_scaling"), read.need(cfg, "max_position_embeddings")
         )
     if kind == "yarn":
         orig = orig or read.need(cfg, "max_position_embeddings")

@@ -174,9 +174,9 @@ def torch_ops():
     if _torch_ops is None:
         from . import _torch_ops as module
 
+        eager_view, from_numpy = module.eager_view, module.torch.from_numpy
+        torch_tensor = module.torch.Tensor  # last: it opens the way that uses the two above
         _torch_ops = module
-        torch_tensor, eager_view = module.torch.Tensor, module.eager_view
-        from_numpy = module.torch.from_numpy
     return _torch_ops
 
 

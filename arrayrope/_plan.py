@@ -118,6 +118,13 @@ def checked(engine, xs, outs, kind, pos, backend):
     return array_family, backend
 
 
+def _filled(engine):
+    """Whether kernels may make rows past the engine's table (see CosSinTables.filled); an
+    engine of caller-supplied tables (apply_cos_sin) has none to make."""
+    freq_set = getattr(engine, "freq_set", None)
+    return freq_set is None or freq_set(None).tables.filled
+
+
 class GeneralPlan:
     """Every call the row kernel does not take, on every backend."""
 
@@ -137,9 +144,7 @@ class GeneralPlan:
         # Positions on a device, for a kernel there: checked by the kernel (backends.cuda._flag),
         # except for transformers' tables, whose rows past the table only the host makes: their
         # range is read on the host, as the reference's is
-        self.device_checked = (
-            array_family == CUPY and backend != "numpy" and engine.freq_set(None).tables.filled
-        )
+        self.device_checked = array_family == CUPY and backend != "numpy" and _filled(engine)
         self.device = backends.device() if array_family == CUPY else None  # the GPU's hook
         self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
         self.nlead = max(1, max(x.ndim - 1 for x in xs))
@@ -311,7 +316,11 @@ class GeneralPlan:
             elif self.spec.dynamic and seq_len is None:
                 why = "a length-dependent rule needs seq_len (max(pos) would be read)"
         if not self.device_checked:
-            why = "backend='numpy' reads positions and makes temporaries"
+            why = (
+                "backend='numpy' reads positions and makes temporaries"
+                if self.backend == "numpy"
+                else "angles='transformers' reads device positions on the host"
+            )
         elif self.backend == "numba-cuda":
             why = "numba-cuda synchronizes the stream of each array it is given"
         for i, x in enumerate(xs):

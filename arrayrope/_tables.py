@@ -184,23 +184,33 @@ class CosSinTables:
         [0, 2**31), checked by the caller) of a one-axis RoPE, shape (2, 1, n_pairs), with
         as little Python as a decode step affords. It keeps the last position's rows (never
         written once made): a decode step calls it once per layer at one position."""
-        from .backends.cpu import _angles
-
-        _, inv_freq, levels = self.level_arrays()
-        fill = _angles.column_entry(np.dtype(dtype))
-        shape, scale, empty = (2, 1, inv_freq.size), self.scale, np.empty
+        make = self._row_maker(dtype)
         last = [(-1, None)]  # (position, rows), replaced whole: threads read either pair
 
         def row_at(m):
             held = last[0]
             if held[0] == m:
                 return held[1]
-            rows = empty(shape, dtype)
-            fill(m, inv_freq, levels, scale, rows)
+            rows = make(m)
             last[0] = (m, rows)
             return rows
 
         return row_at
+
+    def _row_maker(self, dtype):
+        """A function ``m -> rows`` making :meth:`row_at`'s rows anew."""
+        from .backends.cpu import _angles
+
+        _, inv_freq, levels = self.level_arrays()
+        fill = _angles.column_entry(np.dtype(dtype))
+        shape, scale, empty = (2, 1, inv_freq.size), self.scale, np.empty
+
+        def make(m):
+            rows = empty(shape, dtype)
+            fill(m, inv_freq, levels, scale, rows)
+            return rows
+
+        return make
 
     def level_arrays(self):
         """(pair_axis, inv_freq, level tables) as the fill kernels take them, built once."""

@@ -39,7 +39,8 @@ def _restore(config):
     rope = _restored.get(config)
     if rope is None:
         head_dim, rotary_dim, style, max_positions, scaling, blocks, pair_axis, base = config[:8]
-        pick, angles = config[8:]
+        pick = config[8] if len(config) > 8 else None  # pickles of earlier forms have neither
+        angles = config[9] if len(config) > 9 else "exact"
         rope = RoPE.__new__(RoPE)
         rope._setup(
             head_dim,
@@ -215,7 +216,8 @@ class RoPE:
     @property
     def inv_freq(self) -> np.ndarray:
         """theta_i of every pair, float64, shape (rotary_dim // 2,): the frequencies a scaling
-        rule yields (for a length-dependent rule, those at short lengths). A copy."""
+        rule yields (for a length-dependent rule, those at short lengths); with
+        ``angles="transformers"``, transformers' float32 values. A copy."""
         return self._default.inv_freq.copy()
 
     @property

@@ -118,7 +118,7 @@ def test_every_route_past_the_table(rule):
         want, _ = _theirs(config, q, q, np.array([[m]]))
         assert np.array_equal(_bits(rope.rotate(q, m)), _bits(want))
         assert np.array_equal(_bits(rope.rotate(q, np.array([m]))), _bits(want))
-    # a prefill past the table, large enough for the parallel kernels
+    # a prefill past the table (its rows made by torch a block at a time)
     pos = np.arange(1_000_000, 1_004_096, dtype=np.int64)[None]
     q = rng.standard_normal((1, 4, pos.shape[1], HEAD_DIM)).astype(np.float32)
     want, _ = _theirs(config, q, q, pos)
@@ -158,13 +158,32 @@ def test_partial_rotary_and_float64():
     assert np.array_equal(_bits(rope.rotate(q64, pos[0])), _bits(want))
 
 
-@given(pos=st.lists(st.integers(0, 2**24), min_size=1, max_size=8), seed=st.integers(0, 99))
+@settings(deadline=None)
+@given(pos=st.lists(st.floats(0, 2**31 - 1), min_size=1, max_size=8), seed=st.integers(0, 99))
 def test_real_positions_read_as_float32(pos, seed):
-    # transformers reads position ids as float32: so does this mode, for reals and integers
-    rope = ar.RoPE(16, style="half", angles="transformers")
-    x = np.random.default_rng(seed).standard_normal((len(pos), 16)).astype(np.float32)
-    ints = np.array(pos, dtype=np.int64)
-    assert np.array_equal(rope.rotate(x, ints.astype(np.float64)), rope.rotate(x, ints))
+    # transformers' module reads position ids as float32, reals too: so does this mode (past
+    # 2**24 float32 rounds integers as well)
+    config = _config("default")
+    rope = ar.RoPE.from_hf_config(config, angles="transformers")
+    pos = np.array([pos], dtype=np.float64)
+    q = np.random.default_rng(seed).standard_normal((1, 4, pos.shape[1], HEAD_DIM))
+    q = q.astype(np.float32)
+    want, _ = _theirs(config, q, q, pos)
+    assert np.array_equal(_bits(rope.rotate(q, pos[0])), _bits(want))
+
+
+def test_dynamic_grows_past_max_position_embeddings():
+    # as transformers' module: the base grows past max_position_embeddings, whatever an
+    # original_max_position_embeddings in the parameters says (transformers ignores it there)
+    config = _config("dynamic")
+    config.rope_parameters["original_max_position_embeddings"] = 4096
+    q = np.random.default_rng(2).standard_normal((1, 4, 3, HEAD_DIM)).astype(np.float32)
+    for pos in ([[5000, 6000, 7000]], [[40_000, 50_000, 60_000]]):
+        pos = np.array(pos)
+        want, _ = _theirs(config, q, q, pos)
+        rope = ar.RoPE.from_hf_config(config, angles="transformers")
+        assert rope.scaling.original_max_positions == config.max_position_embeddings
+        assert np.array_equal(_bits(rope.rotate(q, pos[0])), _bits(want))
 
 
 def test_exact_stays_the_default_and_differs():
@@ -183,6 +202,11 @@ def test_pickled_rope_keeps_its_angles():
     assert again.angles == "transformers"
     x = np.random.default_rng(1).standard_normal((2, 3, HEAD_DIM)).astype(np.float32)
     assert np.array_equal(_bits(again.rotate(x, 99_999)), _bits(rope.rotate(x, 99_999)))
+    # a pickle of the earlier form, without angles (or without pick too): exact angles
+    restore, (config,) = ar.RoPE(HEAD_DIM, scaling=ar.scaling.Linear(2.0)).__reduce__()
+    for earlier in (config[:9], config[:8]):
+        old = restore(earlier)
+        assert old.angles == "exact" and old.scaling == ar.scaling.Linear(2.0)
 
 
 @pytest.mark.parametrize("bad", ["float32", "Transformers", 1, None])

@@ -175,3 +175,17 @@ def test_what_transformers_computes_and_arrayrope_follows():
         ar.RoPE.from_hf_config(
             {"model_type": "phimoe", "head_dim": 128, "rope_parameters": longrope}
         )
+
+
+def test_dynamic_grows_past_max_position_embeddings():
+    # transformers' dynamic RoPE grows its base past max_position_embeddings and ignores an
+    # original_max_position_embeddings in its parameters (tests/test_hf_angles.py drives it)
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 512
+        },
+    }  # fmt: skip
+    rope = ar.RoPE.from_hf_config(config)
+    assert rope.scaling == ar.scaling.DynamicNTK(2.0, 2048)
