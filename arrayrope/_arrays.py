@@ -146,15 +146,22 @@ def _interleaves(shape, strides, itemsize):
     return False
 
 
-def extent(a, array_family):
-    """[first byte, one past the last byte) of the memory ``a`` spans."""
-    low = high = pointer(a, array_family)
+def span(a):
+    """[first byte, one past the last byte) of the memory ``a`` spans, from a[0, ..., 0]."""
+    low = high = 0
     for n, s in zip(a.shape, a.strides):
         if s < 0:
             low += (n - 1) * s
         else:
             high += (n - 1) * s
     return low, high + a.itemsize
+
+
+def extent(a, array_family):
+    """[first byte, one past the last byte) of the memory ``a`` spans."""
+    low, high = span(a)
+    at = pointer(a, array_family)
+    return at + low, at + high
 
 
 def overlap_kind(a, b, array_family):

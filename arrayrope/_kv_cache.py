@@ -277,17 +277,6 @@ def _step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     return (cache_layout, None if out is None else (out.shape, out.strides, out.flags.num), layouts)
 
 
-def _extent(a):
-    """[first byte, one past the last byte) of ``a``'s memory, from its address."""
-    low = high = 0
-    for n, s in zip(a.shape, a.strides):
-        if s < 0:
-            low += (n - 1) * s
-        else:
-            high += (n - 1) * s
-    return low, high + a.itemsize
-
-
 _steps = Bounded(256)  # cache: what a decode step's layouts settle, by _step_key
 
 
@@ -451,6 +440,6 @@ def rotate_into_cache(
     )  # fmt: skip
     if key is not None and all(addressable) and not spec.dynamic and spec.n_axes == 1:
         if k_cache.dtype == v_cache.dtype == q.dtype:  # no float8
-            extents = tuple(_extent(a) for a in (q, out, k, v, k_cache, v_cache))
+            extents = tuple(_arrays.span(a) for a in (q, out, k, v, k_cache, v_cache))
             _steps.put(key, (block, extents, dtype))
     return out

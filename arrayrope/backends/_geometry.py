@@ -31,16 +31,10 @@ def flat_view(a):
     if a.flags.c_contiguous:
         return a.reshape(-1), 0
     item = a.itemsize
-    low = high = 0
-    for n, s in zip(a.shape, a.strides):
-        if s < 0:
-            low += (n - 1) * s
-        else:
-            high += (n - 1) * s
+    low, high = _arrays.span(a)
     # The view that starts at the lowest address: the last index along each descending axis.
     start = a[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(a.shape, a.strides))]
-    span = (high - low) // item + 1
-    flat = _as_strided(a)(start, shape=(span,), strides=(item,))
+    flat = _as_strided(a)(start, shape=((high - low) // item,), strides=(item,))
     return flat, -low // item
 
 
