@@ -305,7 +305,7 @@ def _step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     arrays = (q, out, k, v, k_cache, v_cache)
     bits = _fused.bits_of(q.dtype)
     known = _fused.addresses(*(a if bits is None else a.view(bits) for a in arrays))
-    spans = [(at + low, at + high) for at, (low, high) in zip(known, extents)]
+    spans = [(at + first, at + end) for at, (first, end) in zip(known, extents)]
     for w in (1, 4, 5):  # out, k_cache, v_cache: written
         for other in range(6):
             if other == w or spans[w][1] <= spans[other][0] or spans[other][1] <= spans[w][0]:
