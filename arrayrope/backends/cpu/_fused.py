@@ -329,6 +329,28 @@ def _view(a, address=None):
     return _bits_view(flat, a.dtype), base, address
 
 
+def views_of(arrays, addresses):
+    """:func:`_view` of each of ``arrays`` at its known address; where several are views of one
+    contiguous owner (q, k and v of a QKV buffer), that owner's flat view and address are
+    made once."""
+    owners, views = {}, []
+    for a, address in zip(arrays, addresses):
+        owner = a.base
+        if a.flags.c_contiguous or type(owner) is not np.ndarray or owner.dtype != a.dtype:
+            views.append(_view(a, address))
+            continue
+        held = owners.get(id(owner))  # (the owners live through the call: ids stay theirs)
+        if held is None:
+            if not owner.flags.c_contiguous:
+                views.append(_view(a, address))
+                continue
+            flat = _bits_view(owner.reshape(-1), a.dtype)
+            held = owners[id(owner)] = (flat, _address(flat))
+        base, apart = divmod(address - held[1], a.itemsize)
+        views.append(_view(a, address) if apart else (held[0], base, address))
+    return views
+
+
 def _bits_view(a, dtype):
     bits = bits_of(dtype)
     return a if bits is None else a.view(bits)
@@ -375,14 +397,14 @@ def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
 
 
 def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec, q_weight,
-           k_weight, eps, k_multiplier, v_multiplier, known=(None,) * 6):  # fmt: skip
+           k_weight, eps, k_multiplier, v_multiplier, known=None):  # fmt: skip
     """Run :func:`fused_range` over every token, on Numba's threads where the step is large.
     The caller has checked every argument (see _kv_cache); ``known``: the operands' addresses
     where it has them (see :func:`addresses`)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     arrays = (q, out, k, v, k_cache, v_cache)
-    views = [_view(a, address) for a, address in zip(arrays, known)]
+    views = [_view(a) for a in arrays] if known is None else views_of(arrays, known)
     (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _), (kcf, kcb, kca), (vcf, vcb, vca) = views
     # what follows from the layout alone, kept: a decode loop brings the same one each step
     key = (
