@@ -53,19 +53,17 @@ class FreqSet:
         self.tables = (tables or CosSinTables)(inv_freq, pair_axis, attention_scaling, max_rows)
 
     @classmethod
-    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, pick=None, angles="exact"):
+    def of(cls, blocks, scaling, selected, mode, pair_axis, max_rows, pick=None, source=None):
         """The set of a RoPE's frequency ``blocks`` ((features, base) runs, concatenated) under
         ``scaling`` at its ``selected`` length, handed to the pairs as ``pick`` says (see
         RoPE._setup), whose tables multiply into cos and sin what ``mode`` asks: the attention
         scaling ("rotate"), one ("shift": a pure rotation), or its inverse ("undo": the exact
-        undo). ``angles="transformers"``: transformers' float32 frequencies and tables (see
-        ``_hf_angles``)."""
+        undo). ``source``: a module whose ``frequencies`` and ``HFTables`` make the frequencies
+        and tables instead of arrayrope's own (``_hf_angles``, for ``angles="transformers"``)."""
         tables = None
-        if angles == "transformers":
-            from . import _hf_angles
-
-            inv_freq, scale = _hf_angles.frequencies(blocks, scaling, selected)
-            tables = _hf_angles.HFTables
+        if source is not None:
+            inv_freq, scale = source.frequencies(blocks, scaling, selected)
+            tables = source.HFTables
         elif scaling is None:
             inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in blocks])
             scale = 1.0

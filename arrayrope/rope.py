@@ -133,10 +133,12 @@ class RoPE:
             scaling.check(blocks)
         if not (isinstance(angles, str) and angles in ("exact", "transformers")):
             raise RopeValueError(f"angles must be 'exact' or 'transformers', got {angles!r}")
+        self._source = None  # arrayrope's own frequencies and tables (see FreqSet.of)
         if angles == "transformers":
-            from ._hf_angles import torch_or_error
+            from . import _hf_angles
 
-            torch_or_error()
+            _hf_angles.torch_or_error()
+            self._source = _hf_angles
         self.angles = angles
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
@@ -184,7 +186,7 @@ class RoPE:
                     key,
                     FreqSet.of(
                         self._blocks, self.scaling, key[0], mode, self._spec.pair_axis,
-                        self.max_positions, self._pick, self.angles,
+                        self.max_positions, self._pick, self._source,
                     ),
                 )  # fmt: skip
         return found
