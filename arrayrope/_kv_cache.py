@@ -20,10 +20,9 @@ from ._arrays import NUMPY
 from ._cache import Bounded
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
+from ._kv_step import EPS, no_weight, remember, step, step_key
 
 LAYOUTS = ("NHD", "HND")
-_EPS = 1e-6  # norm_eps's default: a call that leaves it may take the decode step's way
-_NDARRAY = np.ndarray
 
 
 @functools.cache
@@ -50,12 +49,6 @@ def _operand(name, a, shape, dtype, written=False):
             f"{name} has elements that share memory (strides {a.strides}): parallel writes "
             "to it would race"
         )
-
-
-@functools.cache
-def _no_weight(dtype):
-    """The kernel's empty weights of ``dtype`` (no norm), one array per dtype, never written."""
-    return np.empty(0, dtype)
 
 
 def _weights(name, w, d):
@@ -95,7 +88,7 @@ def _slots(slots, n, capacity):
         and slots.flags.c_contiguous
         and n
     ):
-        from .backends.cpu._fused import check_slots
+        from .backends.cpu._step_checks import check_slots
 
         slots = slots.copy()  # checked and used as one copy: the caller's may change meanwhile
         status, slot = check_slots(slots, capacity)
@@ -176,7 +169,7 @@ def _rows(rope, pos, n, dtype, seq_len):
     ):
         # a step's int64 positions: one compiled pass for the bounds (others, and bad values,
         # take the general way below, which names them)
-        from .backends.cpu._fused import bounds
+        from .backends.cpu._step_checks import bounds
 
         pos = pos.copy()  # checked and used as one copy (as slots are)
         low, high = bounds(pos)
@@ -259,67 +252,6 @@ def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
     return n, hq, hkv, block
 
 
-def _step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
-    """The key of a decode step's layouts: NumPy arrays, and int64 positions and slots, one per
-    token, contiguous. None for any other call."""
-    if not (type(q) is type(k) is type(v) is type(k_cache) is type(v_cache) is _NDARRAY):
-        return None
-    if type(pos) is not _NDARRAY or type(slots) is not _NDARRAY or pos.dtype != np.int64:
-        return None
-    if type(out) is not _NDARRAY and out is not None or slots.dtype != np.int64:
-        return None
-    if type(cache_layout) is not str:
-        return None
-    layouts = tuple(
-        (a.shape, a.strides, a.dtype, a.flags.num)
-        for a in (q, k, v, k_cache, v_cache, pos, slots)
-    )  # fmt: skip
-    return (cache_layout, None if out is None else (out.shape, out.strides, out.flags.num), layouts)
-
-
-_steps = Bounded(256)  # cache: what a decode step's layouts settle, by _step_key
-
-
-def _step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
-    """A decode loop's call, whose layouts an earlier call has checked (see _steps): what
-    depends on the call alone is checked here (slots, positions in the cached table, no array
-    written into another's memory), in a few compiled calls. Returns the result, or None with
-    nothing written where the general way must take the call (which names what is wrong)."""
-    spec = rope._spec
-    key = _step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
-    found = None if key is None else _steps.get(key)
-    if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
-        return None  # (the layouts were checked for a RoPE of this head size and kind)
-    from .backends import cpu
-    from .backends.cpu import _fused
-
-    block, extents, dtype = found
-    status, _, low, high, slots, pos = _fused.step_inputs(slots, pos, k_cache.shape[0] * block)
-    if status or low < 0 or high >= _positions.LIMIT:
-        return None
-    tables = rope._engine.freq_set(None).tables.cached(np, None, dtype, int(high))
-    if tables is None:
-        return None
-    if out is None:
-        out = np.empty(q.shape, q.dtype)
-    arrays = (q, out, k, v, k_cache, v_cache)
-    bits = _fused.bits_of(q.dtype)
-    known = _fused.addresses(*(a if bits is None else a.view(bits) for a in arrays))
-    spans = [(at + first, at + end) for at, (first, end) in zip(known, extents)]
-    for w in (1, 4, 5):  # out, k_cache, v_cache: written
-        for other in range(6):
-            if other == w or spans[w][1] <= spans[other][0] or spans[other][1] <= spans[w][0]:
-                continue
-            if not (w == 1 and other == 0 and known[0] == known[1] and q.strides == out.strides):
-                return None  # out at q's address in q's layout is in place; anything else not
-    cpu.launch_fused(
-        q, out, k, v, k_cache, v_cache, slots, pos, tables[0], tables[1], block, cache_layout,
-        spec, _no_weight(dtype), _no_weight(dtype), dtype.type(_EPS), dtype.type(1.0),
-        dtype.type(1.0), known,
-    )  # fmt: skip
-    return out
-
-
 @filled
 def rotate_into_cache(
     self,
@@ -335,7 +267,7 @@ def rotate_into_cache(
     cache_layout: str = "NHD",
     q_norm=None,
     k_norm=None,
-    norm_eps: float = _EPS,
+    norm_eps: float = EPS,
     k_scale: float | None = None,
     v_scale: float | None = None,
     seq_len: int | None = None,
@@ -394,12 +326,12 @@ def rotate_into_cache(
     from .backends import cpu
 
     plain = q_norm is None and k_norm is None and k_scale is None and v_scale is None
-    plain = plain and seq_len is None and norm_eps is _EPS
+    plain = plain and seq_len is None and norm_eps is EPS
     if plain:
-        done = _step(self, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
+        done = step(self, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
         if done is not None:
             return done
-    key = _step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout) if plain else None
+    key = step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout) if plain else None
     spec = self._spec
     d = spec.head_dim
     arrays = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
@@ -429,8 +361,8 @@ def rotate_into_cache(
         _resolved(pos, spec.n_axes)  # checked all the same
         return out
     cos, sin, rows = _rows(self, pos, n, dtype, seq_len)
-    q_weight = q_weight.astype(dtype, copy=False) if q_weight.size else _no_weight(dtype)
-    k_weight = k_weight.astype(dtype, copy=False) if k_weight.size else _no_weight(dtype)
+    q_weight = q_weight.astype(dtype, copy=False) if q_weight.size else no_weight(dtype)
+    k_weight = k_weight.astype(dtype, copy=False) if k_weight.size else no_weight(dtype)
     # inputs the kernel cannot address as they are go through a copy
     addressable = [_arrays.addressable(a, NUMPY) for a in (q, k, v)]
     q, k, v = (a if fit else a.copy() for a, fit in zip((q, k, v), addressable))
@@ -438,8 +370,6 @@ def rotate_into_cache(
         q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, cache_layout, spec,
         q_weight, k_weight, dtype.type(eps), dtype.type(k_multiplier), dtype.type(v_multiplier),
     )  # fmt: skip
-    if key is not None and all(addressable) and not spec.dynamic and spec.n_axes == 1:
-        if k_cache.dtype == v_cache.dtype == q.dtype:  # no float8
-            extents = tuple(_arrays.span(a) for a in (q, out, k, v, k_cache, v_cache))
-            _steps.put(key, (block, extents, dtype))
+    if key is not None and all(addressable):
+        remember(key, spec, (q, out, k, v, k_cache, v_cache), block, dtype)
     return out

@@ -28,6 +28,7 @@ from . import (
     _parallel,
     _rows,
     _runs,
+    _step_checks,
 )
 from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._fused import launch as launch_fused
@@ -36,7 +37,9 @@ from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, UNALIGNED, VECTOR
 from ._rows_plan import rows_plan
 
-_disk_cache.guard(_angles, _convert, _decode, _direct, _fused, _gather, _parallel, _rows, _runs)
+_disk_cache.guard(
+    _angles, _convert, _decode, _direct, _fused, _gather, _parallel, _rows, _runs, _step_checks
+)
 
 __all__ = ["launch", "launch_filled", "launch_fused", "rows_plan"]
 

@@ -24,6 +24,7 @@ from ._config import DISK_CACHE, HARDWARE_F16, VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
 from ._simd import copy_bytes
+from ._step_checks import address_of
 
 # The vector steps of the direct path (see _direct), with plain stores: a cache row is read
 # again soon (by attention), and a result row is as likely to be.
@@ -244,84 +245,18 @@ def fused_parallel(
             )  # fmt: skip
 
 
-# Tokens up to which check_slots compares each slot with the ones before it (above, it sorts)
-_PAIRWISE_BELOW = 64
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def check_slots(slots, capacity):
-    """(0, 0) where every int64 slot is below ``capacity`` and each non-negative one is used
-    once; else (1, the largest slot) or (2, a slot used twice): a decode step's checks in one
-    call, where NumPy's take several."""
-    n = slots.shape[0]
-    high = np.int64(-1)
-    for i in range(n):
-        high = max(high, slots[i])
-    if high >= capacity:
-        return 1, high
-    if n <= _PAIRWISE_BELOW:
-        for i in range(n):
-            slot = slots[i]
-            if slot >= 0:
-                for j in range(i):
-                    if slots[j] == slot:
-                        return 2, slot
-    else:
-        ordered = np.sort(slots)
-        for i in range(1, n):
-            if ordered[i] >= 0 and ordered[i] == ordered[i - 1]:
-                return 2, ordered[i]
-    return 0, np.int64(0)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def bounds(values):
-    """(lowest, highest) of a non-empty int64 array."""
-    low = high = values[0]
-    for i in range(1, values.shape[0]):
-        low = min(low, values[i])
-        high = max(high, values[i])
-    return low, high
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def _address(a):
-    """The address of a[0, ..., 0]: a compiled call costs a fraction of NumPy's ctypes.data."""
-    return a.ctypes.data
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def addresses(q, out, k, v, k_cache, v_cache):
-    """The six operands' addresses (their bits views: see _bits_view), in one compiled call."""
-    return (
-        q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, k_cache.ctypes.data,
-        v_cache.ctypes.data,
-    )  # fmt: skip
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def step_inputs(slots, pos, capacity):
-    """A decode step's int64 slots and positions, copied (the caller's may change meanwhile:
-    they are checked and used as one copy) and checked in one call: (check_slots' status and
-    value, the positions' lowest and highest, the slots, the positions)."""
-    slots, pos = slots.copy(), pos.copy()
-    status, value = check_slots(slots, capacity)
-    low, high = bounds(pos)
-    return status, value, low, high, slots, pos
-
-
 def _view(a, address=None):
     """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8), the
     element offset of a[0, ..., 0] in it and a's address (computed where not given). A view
     of a contiguous array (q, k and v of one QKV buffer) is addressed through that array:
     flat_view's general way costs more than the kernel of a decode step."""
     if address is None:
-        address = _address(_bits_view(a, a.dtype))  # Numba types the half types by their bits
+        address = address_of(_bits_view(a, a.dtype))  # Numba types the half types by their bits
     if a.flags.c_contiguous:
         return _bits_view(a.reshape(-1), a.dtype), 0, address
     owner, apart = a.base, 1
     if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
-        base, apart = divmod(address - _address(_bits_view(owner, a.dtype)), a.itemsize)
+        base, apart = divmod(address - address_of(_bits_view(owner, a.dtype)), a.itemsize)
     if apart:  # no such owner, or a starts between its elements (a byte-shifted view)
         flat, base = flat_view(a)
     else:
@@ -345,7 +280,7 @@ def views_of(arrays, addresses):
                 views.append(_view(a, address))
                 continue
             flat = _bits_view(owner.reshape(-1), a.dtype)
-            held = owners[id(owner)] = (flat, _address(flat))
+            held = owners[id(owner)] = (flat, address_of(flat))
         base, apart = divmod(address - held[1], a.itemsize)
         views.append(_view(a, address) if apart else (held[0], base, address))
     return views
