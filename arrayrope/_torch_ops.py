@@ -14,6 +14,7 @@ This module imports torch: it is imported only once a torch tensor has been seen
 
 import torch
 
+from . import _torch_lowered
 from ._errors import RopeTypeError, RopeValueError
 from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
 
@@ -22,6 +23,7 @@ _bfloat16 = torch.bfloat16
 
 
 _compiling = torch.compiler.is_compiling
+_exporting = torch.compiler.is_exporting
 _transforms = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._get_tracing_state
@@ -135,16 +137,37 @@ def _writable(name, out):
         )
 
 
+def _lowered(xs, outs, tail):
+    """Where torch.compile traces a small call (``_torch_lowered``): the new rotated tensors,
+    or ``outs`` written with them. None where the call goes through the operators."""
+    if not _compiling() or _exporting():
+        return None
+    if outs is not None and any(
+        o.shape != x.shape or o.dtype != x.dtype or o.device != x.device for o, x in zip(outs, xs)
+    ):
+        return None  # the operator says what is wrong
+    pos, pos_int, pos_float, key, inverse, backend, seq_len = tail
+    new = _torch_lowered.rotated(key, xs, pos, pos_int, pos_float, inverse, backend, seq_len)
+    if new is None or outs is None:
+        return new
+    for out, result in zip(outs, new):
+        out.copy_(result)
+    return outs
+
+
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
     tensor, as_int, as_float = _split_positions(pos, x)
     tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
     if out is None:
-        return _rotated(x, tail)
+        small = _lowered((x,), None, tail)
+        return small[0] if small is not None else _rotated(x, tail)
     if not isinstance(out, _Tensor):
         raise RopeTypeError(f"out must be a torch tensor like x, got {type(out).__name__}")
     _writable("out", out)
+    if _lowered((x,), (out,), tail) is not None:
+        return out
     if _differentiated(x, out):
         out.copy_(_rotated(x, tail))  # autograd records the copy into out
     elif out is x:
@@ -161,6 +184,9 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     tensor, as_int, as_float = _split_positions(pos, q)
     tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
     if out is None:
+        small = _lowered((q, k), None, tail)
+        if small is not None:
+            return small
         if _transformed():
             return _RotateQK.apply(q, k, *tail)
         if _grad() and (q.requires_grad or k.requires_grad):
@@ -173,6 +199,8 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
         raise RopeTypeError("out must be a pair of torch tensors like q and k")
     _writable("out[0]", q_out)
     _writable("out[1]", k_out)
+    if _lowered((q, k), (q_out, k_out), tail) is not None:
+        return q_out, k_out
     if _differentiated(q, k, q_out, k_out):
         q_rot, k_rot = rotate_qk(key, q, k, pos, inverse, None, backend, seq_len)
         q_out.copy_(q_rot)

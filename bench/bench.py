@@ -485,6 +485,11 @@ def main():
         for shape, name, seconds in against:
             value = "-" if seconds is None else f"{seconds * 1e6:10.1f}"
             print(f"  {str(shape):18s} {name:40s} {value}")
+        compiled = frameworks.compiled_sweep(max(3, repeats // 2))
+        print("\nunder torch.compile, (1, 32, T, 128) float32, us per call:")
+        for rows_t, formula, ours, operator in compiled:
+            print(f"  T={rows_t:5d}  formula {formula * 1e6:9.1f}  arrayrope {ours * 1e6:9.1f}  "
+                  f"through the operator {operator * 1e6:9.1f}")  # fmt: skip
         accuracy = frameworks.accuracy_rows()
         print("\nfloat32 max error against float64, in float32 ulps (arrayrope / float32 angles):")
         for pos, ours, common, ulp in accuracy[::4]:
@@ -532,7 +537,7 @@ def main():
             decode,
             rows,
             sweep,
-            (against, accuracy, long_context, matrix, fused, llama),
+            (against, accuracy, long_context, matrix, fused, llama, compiled),
             dask_line,
             date,
         )

@@ -109,6 +109,45 @@ def framework_rows(repeats=7):
     return rows
 
 
+COMPILED_ROWS = (1, 4, 16, 256, 2048)
+
+
+def compiled_sweep(repeats=5):
+    """Under torch.compile (fullgraph), x (1, 32, T, 128) float32 with tensor positions: seconds
+    per call of the compiled formula, of arrayrope as it runs there (torch operations for
+    Inductor up to ``_torch_lowered.SMALL`` elements, the operator past it) and of arrayrope
+    through its operator at every size. Rows: (T, formula, arrayrope, operator); none without
+    torch."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    import arrayrope as ar
+    from arrayrope import _torch_lowered
+
+    rope = ar.RoPE(128, style="half")
+    inv = torch.tensor(rope.inv_freq, dtype=torch.float32)
+    small = _torch_lowered.SMALL
+    rows = []
+    try:
+        for rows_t in COMPILED_ROWS:
+            x = torch.randn(1, 32, rows_t, 128)
+            pos = torch.arange(rows_t) + 1234
+            calls = max(1, 64 // rows_t)
+            torch._dynamo.reset()
+            formula = torch.compile(_torch_formula(torch))
+            times = [_best(lambda: formula(x, pos, inv), repeats, calls)]
+            for limit in (small, 0):  # as it runs; the operator at every size
+                _torch_lowered.SMALL = limit
+                torch._dynamo.reset()
+                ours = torch.compile(lambda t, p: rope.rotate(t, p), fullgraph=True)
+                times.append(_best(lambda: ours(x, pos), repeats, calls))
+            rows.append((rows_t, *times))
+    finally:
+        _torch_lowered.SMALL = small
+    return rows
+
+
 def float64_rotation(x, pos, inv_freq):
     angle = np.float64(pos) * inv_freq
     a, b = x[..., 0::2].astype(np.float64), x[..., 1::2].astype(np.float64)
@@ -148,5 +187,8 @@ def accuracy_rows():
 if __name__ == "__main__":
     for shape, name, seconds in framework_rows():
         print(f"{shape} {name:40s} {'-' if seconds is None else f'{seconds * 1e6:10.1f} us'}")
+    for rows_t, formula, ours, operator in compiled_sweep():
+        print(f"torch.compile T={rows_t:5d}: formula {formula * 1e6:9.1f} us, arrayrope "
+              f"{ours * 1e6:9.1f} us, through the operator {operator * 1e6:9.1f} us")  # fmt: skip
     for pos, ours, common, ulp in accuracy_rows():
         print(f"position {pos:>9}: arrayrope {ours / ulp:6.2f} ulps, float32 angles {common:.3g}")

@@ -58,8 +58,9 @@ def _fmt(v, spec):
 def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
     context sweep (prefill rows, decode steps), the shape matrix, the fused inference step's
-    rows and the rows against llama.cpp's rope (None without ggml), as bench.py makes them."""
-    frameworks, accuracy, (prefill, decode_at), matrix, fused, llama = measured
+    rows, the rows against llama.cpp's rope (None without ggml) and the torch.compile sweep,
+    as bench.py makes them."""
+    frameworks, accuracy, (prefill, decode_at), matrix, fused, llama, compiled = measured
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -155,6 +156,31 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         _table(
             ["shape", "compiler", "arrayrope us", "formula us", "arrayrope is"],
             _compiled_table(frameworks),
+        ),
+        "",
+        "Under torch.compile by size: calls of up to arrayrope._torch_lowered.SMALL "
+        "elements (q and k together) are written as torch operations that Inductor fuses into "
+        "the compiled code, larger ones go through the operator. x (1, 32, T, 128) float32, "
+        "tensor positions, us per call, same run (bench/frameworks.py).",
+        "",
+        _table(
+            [
+                "T",
+                "torch.compile formula",
+                "arrayrope",
+                "arrayrope through the operator",
+                "arrayrope is",
+            ],  # fmt: skip
+            [
+                (
+                    t,
+                    _fmt(f * 1e6, ".1f"),
+                    _fmt(o * 1e6, ".1f"),
+                    _fmt(op * 1e6, ".1f"),
+                    _speed(f / o),
+                )  # fmt: skip
+                for t, f, o, op in compiled
+            ],
         ),
         "",
         "## float32 accuracy against position",

@@ -5,6 +5,8 @@ Every result is compared with the eager NumPy call on the same values, which the
 suite checks against the float64 oracle.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -327,3 +329,121 @@ def test_found_by_a_fresh_read():
         ROPE.rotate(x.new_ones(3, 16), torch.ones(3, dtype=torch.bfloat16))
     with pytest.raises(RopeValueError, match="requires grad, and autograd cannot record"):
         ROPE.rotate(np.ones((3, 16)), 1, out=torch.ones(3, 16, requires_grad=True))
+
+
+# Small calls under torch.compile: written as torch operations (arrayrope/_torch_lowered.py)
+_HALF = ar.RoPE(32, style="half")
+_PARTIAL = ar.RoPE(32, style="interleaved", rotary_dim=20, scaling=YaRN(4.0, 64))
+
+
+_M = 2**31 - 1  # an int position with every digit of the level tables at its largest
+
+
+def _small_step(x, k, pos):
+    """Every kind of small call: tensor, int and no positions, both styles, partial rotary,
+    an attention scaling, the transpose and rotate_qk (writes into out and in place:
+    test_compile_writes_in_place_and_into_a_cache_slice)."""
+    q_rot, k_rot = _HALF.rotate_qk(x, k, pos)
+    return (
+        _HALF.rotate(x, pos),
+        _PARTIAL.rotate(x, pos, inverse=True),
+        _PARTIAL.rotate(x, _M),
+        _HALF.rotate(x),
+        ar.rotate(k[0, 0, 0], pos[0]),
+        q_rot,
+        k_rot,
+    )
+
+
+def _eager_small_step(x, k, pos):
+    """_small_step on the direct path: plain tensors, the kernels."""
+    q_rot, k_rot = _HALF.rotate_qk(x, k, pos)
+    return (
+        _HALF.rotate(x, pos),
+        _PARTIAL.rotate(x, pos, inverse=True),
+        _PARTIAL.rotate(x, _M),
+        _HALF.rotate(x),
+        ar.rotate(k[0, 0, 0], int(pos[0])),
+        q_rot,
+        k_rot,
+    )
+
+
+def _graph_targets(fn, *args):
+    """The operations of the graph torch.compile hands its backend for ``fn(*args)``."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def test_compile_writes_small_calls_as_torch_operations():
+    from arrayrope import _torch_lowered
+
+    x, k = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32)
+    pos = torch.tensor([70_000])
+    targets = _graph_targets(_small_step, x, k, pos)
+    assert not any("arrayrope" in t for t in targets), targets
+    with open(Path(__file__).parents[1] / "README.md") as f:
+        assert f"up to {_torch_lowered.SMALL:,} elements" in f.read()  # the README's number
+    big = torch.randn(1, 8, _torch_lowered.SMALL // (8 * 32) + 1, 32)
+    targets = _graph_targets(lambda t: _HALF.rotate(t, 3), big)
+    assert "arrayrope.rotate_nograd.default" in targets
+    targets = _graph_targets(lambda t: _HALF.rotate(t, 2.5), x)  # real positions: the kernels
+    assert "arrayrope.rotate_nograd.default" in targets
+
+
+_COMPILED_SMALL = {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "bfloat16", "float32", "float64"]),
+    positions=st.lists(
+        st.one_of(
+            st.integers(0, 2**31 - 1),
+            st.sampled_from([0, 1, 2047, 2048, 2**22 - 1, 2**22, 65_535, 65_536, 2**31 - 1]),
+        ),
+        min_size=3,
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_small_calls_under_compile_equal_the_kernels(dtype, positions, seed):
+    """Bits of every kind of small call compiled by Inductor equal the kernels', at positions
+    over [0, 2**31) and on the level tables' digit edges, for every dtype."""
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dtype = getattr(torch, dtype)
+    compiled = _COMPILED_SMALL.get(dtype)
+    if compiled is None:  # one compiled step per dtype: positions and values are inputs
+        compiled = _COMPILED_SMALL[dtype] = torch.compile(_small_step, fullgraph=True)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 2, 3, 32, generator=generator).to(dtype)
+    k = torch.randn(2, 1, 3, 32, generator=generator).to(dtype)
+    pos = torch.tensor(positions)
+    got = compiled(x, k, pos)
+    want = _eager_small_step(x, k, pos)
+    bits = torch.int16 if x.itemsize == 2 else dtype
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a.view(bits), b.view(bits)), (i, positions, seed)
+
+
+def test_small_calls_under_compile_refuse_positions_outside_the_range():
+    compiled = torch.compile(lambda t, p: _HALF.rotate(t, p), fullgraph=True)
+    x = torch.randn(1, 2, 3, 32)
+    good = torch.tensor([0, 5, 2**31 - 1])
+    torch.testing.assert_close(compiled(x, good), _numpy_rotate(_HALF, x, good))
+    for bad in ([0, 2**31, 1], [-1, 0, 1]):
+        with pytest.raises(
+            RuntimeError, match=r"pos must hold integer positions in \[0, 2\*\*31\)"
+        ):
+            compiled(x, torch.tensor(bad))
+    for bad in (-1, 2**31):  # an int: through the operator
+        with pytest.raises(RopeValueError, match="pos must be"):
+            compiled(x, bad)
