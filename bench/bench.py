@@ -306,9 +306,16 @@ def decode_row(rounds):
         "batch of 8, pos (8, 1, 1)": lambda: rope.rotate(batch, each),
         "chunk (1, 32, 16, 128)": lambda: rope.rotate(chunk, chunk_pos),
         "numpy reference": lambda: rope.rotate(x, pos, backend="numpy"),
-        # no arrayrope: how fast this minute runs Python (0.5-0.8 us in a quiet one here)
+        # no arrayrope: how fast this minute runs Python
         "(machine) sum(range(100))": lambda: sum(range(100)),
     }
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:  # the same step on a torch tensor: the eager path, the NumPy one in between
+        t = torch.from_numpy(x.copy())
+        cases["RoPE.rotate(torch x, int)"] = lambda: rope.rotate(t, 1234)
     for fn in cases.values():
         fn()
     samples = {name: [] for name in cases}
