@@ -58,13 +58,14 @@ def eager_view(x):
     :func:`wanted` and the fast adopter in one, for an eager decode step."""
     if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
         return None
-    if _forward_ad._current_level >= 0 or x.requires_grad and _grad() or x.is_meta:
-        return None
-    if not x.is_cpu or x.dtype is _bfloat16:
+    if _forward_ad._current_level >= 0:
         return None
     try:
+        # numpy() refuses, for the general way, what this path must not take: a tensor that
+        # requires grad (under no_grad too), a meta or device tensor, bfloat16, a negative or
+        # conjugate bit
         return x.numpy()
-    except (RuntimeError, TypeError):  # a negative or conjugate bit: the general way says so
+    except (RuntimeError, TypeError):
         return None
 
 
