@@ -366,6 +366,14 @@ def _repaired(config):
                 setattr(config, name, 4)
         except Exception:  # noqa: BLE001 - a per-layer field of a heterogeneous config
             pass
+    # a sparse-attention indexer's sizes, which Qwen4-Exp's config class leaves None (its
+    # indexer selects tokens; the attention's own q and k are what is compared)
+    for name, value in (
+        ("indexer_n_heads", 4), ("indexer_kv_heads", 1), ("indexer_head_dim", 64),
+        ("indexer_budget", 16), ("indexer_compress_ratio", 4),
+    ):  # fmt: skip
+        if getattr(config, name, 0) is None:
+            setattr(config, name, value)
     for name, value in (
         ("head_dim", lambda: config.hidden_size // config.num_attention_heads),
         ("num_key_value_heads", lambda: config.num_attention_heads),
@@ -390,14 +398,23 @@ def _fitted_sections(rotary_cls, rotary, config):
     if not (sections and isinstance(inv_freq, torch.Tensor) and isinstance(parameters, dict)):
         return rotary
     pairs = sum(sections)
-    if inv_freq.numel() == pairs or "partial_rotary_factor" in parameters:
+    if inv_freq.numel() == pairs:
         return rotary
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    config.rope_parameters = {**parameters, "partial_rotary_factor": 2 * pairs / head_dim}
+    factor = parameters.get("partial_rotary_factor")
+    if factor is None:
+        head_dim = getattr(config, "head_dim", None)
+        head_dim = head_dim or config.hidden_size // config.num_attention_heads
+        config.rope_parameters = {**parameters, "partial_rotary_factor": 2 * pairs / head_dim}
+    else:  # a rotated fraction of a head its config class does not give (GLM-4.5V: 128)
+        saved = getattr(config, "head_dim", None)
+        config.head_dim = round(2 * pairs / factor)
     try:
         return rotary_cls(config)
     except Exception:  # noqa: BLE001 - the family's own defaults stay undriven
-        config.rope_parameters = parameters
+        if factor is None:
+            config.rope_parameters = parameters
+        else:
+            config.head_dim = saved
         return rotary
 
 

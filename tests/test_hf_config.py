@@ -155,6 +155,10 @@ def test_mrope_layouts_the_families_keep_in_their_code():
     assert list(ernie._spec.pair_axis) == [1, 2] * 22 + [0] * 20
     qwen3 = ar.RoPE.from_hf_config({**base, "model_type": "qwen3_vl_text"})
     assert list(qwen3._spec.pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
+    # GLM-4V's text rotates adjacent pairs; GLM-4.5V's (glm4v_moe_text) rotate_half pairs
+    glm = {**base, "head_dim": 128, "partial_rotary_factor": 0.5}
+    assert ar.RoPE.from_hf_config({**glm, "model_type": "glm4v_text"}).style == "interleaved"
+    assert ar.RoPE.from_hf_config({**glm, "model_type": "glm4v_moe_text"}).style == "half"
     given_sections = {"rope_theta": 1e6, "mrope_section": [32, 16, 16]}
     own = ar.RoPE.from_hf_config({**base, "model_type": "x", "rope_parameters": given_sections})
     assert list(own._spec.pair_axis) == [0] * 32 + [1] * 16 + [2] * 16

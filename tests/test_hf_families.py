@@ -35,9 +35,7 @@ NOT_DRIVEN = {
     "MusicFlamingoRotaryEmbedding": "its rotary module takes timestamps and a length",
     # the family's own module fails on its config class's defaults
     "CohereCompassRotaryEmbedding": "its module fails on its config class's defaults",
-    "Glm4vMoeTextRotaryEmbedding": "its mrope_section default does not fit its default head",
     "HunYuanVLRotaryEmbedding": "its config class gives no mrope_section, which it needs",
-    "Qwen4ExpTextRotaryEmbedding": "its config class gives no head counts by default",
     "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
     # attention classes this driver cannot build or call alone
     "LongcatFlashRotaryEmbedding": "its layer holds expert weights too large to build here",
