@@ -155,6 +155,9 @@ def test_mrope_layouts_the_families_keep_in_their_code():
     assert list(ernie._spec.pair_axis) == [1, 2] * 22 + [0] * 20
     qwen3 = ar.RoPE.from_hf_config({**base, "model_type": "qwen3_vl_text"})
     assert list(qwen3._spec.pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
+    for omni in ("qwen3_omni_moe_text", "qwen3_omni_moe_talker_text"):  # Qwen3-VL's layout
+        rope = ar.RoPE.from_hf_config({**base, "model_type": omni})
+        assert rope.n_axes == 3 and list(rope._spec.pair_axis) == list(qwen3._spec.pair_axis)
     # GLM-4V's text rotates adjacent pairs; GLM-4.5V's (glm4v_moe_text) rotate_half pairs
     glm = {**base, "head_dim": 128, "partial_rotary_factor": 0.5}
     assert ar.RoPE.from_hf_config({**glm, "model_type": "glm4v_text"}).style == "interleaved"
