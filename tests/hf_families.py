@@ -379,7 +379,9 @@ def _repaired(config):
         ("num_key_value_heads", lambda: config.num_attention_heads),
     ):
         try:
-            if hasattr(config, name) and getattr(config, name) is None:
+            if getattr(config, name, None) is None and (
+                hasattr(config, name) or name == "num_key_value_heads"
+            ):  # None, or no field at all (Moonshine Streaming's layers read one it lacks)
                 setattr(config, name, value())
         except Exception:  # noqa: BLE001 - a config without the fields it derives from
             pass
@@ -387,9 +389,11 @@ def _repaired(config):
 
 
 def _fitted_sections(rotary_cls, rotary, config):
-    """The rotary module, rebuilt with the rotated fraction its M-RoPE sections need where its
-    config class's defaults rotate more pairs than the sections cover (GLM-4V's checkpoints
-    give partial_rotary_factor 0.5; its config class gives none)."""
+    """The rotary module, rebuilt to rotate the pairs its M-RoPE sections cover where its config
+    class's defaults rotate another number: with the fraction of the head they need (GLM-4V's
+    checkpoints give partial_rotary_factor 0.5; its config class gives none), or where the
+    default head is too small for them, with the head they need at the rotated fraction the
+    config gives (GLM-4.5V and Qwen3-Omni-MoE: 128; their config classes give no head_dim)."""
     import torch
 
     sections = getattr(rotary, "mrope_section", None)
@@ -401,20 +405,17 @@ def _fitted_sections(rotary_cls, rotary, config):
     if inv_freq.numel() == pairs:
         return rotary
     factor = parameters.get("partial_rotary_factor")
-    if factor is None:
-        head_dim = getattr(config, "head_dim", None)
-        head_dim = head_dim or config.hidden_size // config.num_attention_heads
-        config.rope_parameters = {**parameters, "partial_rotary_factor": 2 * pairs / head_dim}
-    else:  # a rotated fraction of a head its config class does not give (GLM-4.5V: 128)
-        saved = getattr(config, "head_dim", None)
-        config.head_dim = round(2 * pairs / factor)
+    head_dim = getattr(config, "head_dim", None)
+    default_head = head_dim or config.hidden_size // config.num_attention_heads
+    if factor is None and 2 * pairs <= default_head:
+        config.rope_parameters = {**parameters, "partial_rotary_factor": 2 * pairs / default_head}
+    else:
+        config.head_dim = round(2 * pairs / (factor or 1.0))
     try:
         return rotary_cls(config)
     except Exception:  # noqa: BLE001 - the family's own defaults stay undriven
-        if factor is None:
-            config.rope_parameters = parameters
-        else:
-            config.head_dim = saved
+        config.rope_parameters = parameters
+        config.head_dim = head_dim
         return rotary
 
 

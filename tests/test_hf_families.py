@@ -41,14 +41,11 @@ NOT_DRIVEN = {
     "LongcatFlashRotaryEmbedding": "its layer holds expert weights too large to build here",
     "DbrxRotaryEmbedding": "its attention takes the model config and a sub-config together",
     "EsmRotaryEmbedding": "its attention takes its rotary module's input from elsewhere",
-    "MoonshineStreamingRotaryEmbedding": "its attention reads fields its config lacks",
     "MuseGlimmerAssistantRotaryEmbedding": "its attention needs another model's states",
     "NeuCodecRotaryEmbedding": "its attention takes positions in another layout",
     "Xcodec2RotaryEmbedding": "its attention takes positions in another layout",
     "Qwen2_5OmniDiTRotaryEmbedding": "a diffusion block with its own attention API",
     "Qwen3OmniMoeRotaryEmbedding": "its attention classes take other parts' configs",
-    "Qwen3OmniMoeThinkerTextRotaryEmbedding": "its attention classes take other configs",
-    "Qwen3OmniMoeTalkerRotaryEmbedding": "its attention classes take other parts' configs",
     "Gemma4VisionRotaryEmbedding": "its attention classes take other parts' configs",
 }
 
