@@ -16,6 +16,7 @@ _FIELD_ALIASES = {
     "max_position_embeddings": ("n_positions",),
 }
 _FAMILY_ALIASES = {
+    "dbrx": {"num_attention_heads": ("n_heads",), "max_position_embeddings": ("max_seq_len",)},
     "jetmoe": {"head_dim": ("kv_channels",)},
     "zamba": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
     "zamba2": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},

@@ -510,6 +510,13 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
     for c in _sub_configs(top):
         _repaired(c)
+        # DBRX's attention reads rope_theta from its attention sub-config, which transformers
+        # 5 moved into the top config's rope parameters, and clamps by clip_qkv, which its
+        # config class leaves None (its checkpoints give 8)
+        if c is not config and not hasattr(c, "rope_theta") and hasattr(c, "kv_n_heads"):
+            c.rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+            if getattr(c, "clip_qkv", 0) is None:
+                c.clip_qkv = 8.0
     rotary = _fitted_sections(rotary_cls, rotary, config)
 
     rng = np.random.default_rng(zlib.crc32(rotary_name.encode()) + seed)

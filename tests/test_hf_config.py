@@ -167,6 +167,16 @@ def test_mrope_layouts_the_families_keep_in_their_code():
     assert list(own._spec.pair_axis) == [0] * 32 + [1] * 16 + [2] * 16
 
 
+def test_dbrx_names_its_fields_its_own_way():
+    dbrx = {"model_type": "dbrx", "d_model": 6144, "n_heads": 48, "max_seq_len": 32768}
+    rope = ar.RoPE.from_hf_config({**dbrx, "rope_parameters": {"rope_theta": 5e5}})
+    assert rope.head_dim == 128 and rope.base == 5e5
+    # an older file keeps rope_theta in attn_config, which transformers 5 does not read there:
+    # refused rather than read with a default base
+    with pytest.raises(ar.RopeValueError, match="no rope_theta"):
+        ar.RoPE.from_hf_config({**dbrx, "attn_config": {"rope_theta": 5e5}})
+
+
 def test_what_transformers_computes_and_arrayrope_follows():
     # hidden_size // num_attention_heads is floored, as the family's projections are
     assert ar.RoPE.from_hf_config({"hidden_size": 4096, "num_attention_heads": 96,

@@ -39,7 +39,6 @@ NOT_DRIVEN = {
     "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
     # attention classes this driver cannot build or call alone
     "LongcatFlashRotaryEmbedding": "its layer holds expert weights too large to build here",
-    "DbrxRotaryEmbedding": "its attention takes the model config and a sub-config together",
     "EsmRotaryEmbedding": "its attention takes its rotary module's input from elsewhere",
     "MuseGlimmerAssistantRotaryEmbedding": "its attention needs another model's states",
     "NeuCodecRotaryEmbedding": "its attention takes positions in another layout",
