@@ -47,8 +47,8 @@ INTERLEAVED_FAMILIES = frozenset(
 # here as a dict or a path must already be in the nested form.
 LAYER_TYPE_FAMILIES = frozenset(
     {
-        "beam", "deepseek_v4", "diffusion_gemma_text", "dory", "dots3_note_text",
-        "embedding_gemma2_text", "gemma3_text", "gemma3n_text", "gemma4_text",
+        "beam", "cohere_compass_text", "deepseek_v4", "diffusion_gemma_text", "dory",
+        "dots3_note_text", "embedding_gemma2_text", "gemma3_text", "gemma3n_text", "gemma4_text",
         "gemma4_unified_text", "laguna", "lfm3", "mellum", "mimo_v2_flash", "modernbert",
         "modernbert-decoder", "neomme", "olmo3", "step3p5", "t5gemma2_decoder", "t5gemma2_text",
         "ultrabert", "zaya",
@@ -111,6 +111,7 @@ MROPE_FAMILIES = {
     "qwen3_vl_text": ((24, 20, 20), "interleaved"),
     "qwen3_vl_moe_text": ((24, 20, 20), "interleaved"),
     "qwen3_omni_moe_text": ((24, 20, 20), "interleaved"),
+    "cohere_compass_text": ((24, 20, 20), "interleaved"),
     "qwen3_omni_moe_talker_text": ((24, 20, 20), "interleaved"),
     "cosmos3_edge_text": ((24, 20, 20), "interleaved"),
     "qwen3_5_text": ((11, 11, 10), "interleaved"),

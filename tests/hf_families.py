@@ -485,6 +485,15 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     except Exception as error:  # noqa: BLE001
         return outcome(UNDRIVEN, f"its config class has no defaults: {error!r}")
     config, rotary, error = None, None, None
+    for candidate in _sub_configs(top):
+        # per-layer-type parameters that a config class leaves empty (Cohere Compass's): the
+        # default rope for each of its layer types
+        types = getattr(candidate, "layer_types", None)
+        if getattr(candidate, "rope_parameters", None) == {} and types:
+            theta = getattr(candidate, "default_theta", None) or 10000.0
+            candidate.rope_parameters = {
+                t: {"rope_type": "default", "rope_theta": theta} for t in dict.fromkeys(types)
+            }
     if variant is not None:
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)

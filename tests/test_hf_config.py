@@ -155,6 +155,10 @@ def test_mrope_layouts_the_families_keep_in_their_code():
     assert list(ernie._spec.pair_axis) == [1, 2] * 22 + [0] * 20
     qwen3 = ar.RoPE.from_hf_config({**base, "model_type": "qwen3_vl_text"})
     assert list(qwen3._spec.pair_axis[:6]) == [0, 1, 2, 0, 1, 2]
+    compass = {**base, "model_type": "cohere_compass_text", "layer_types": ["full_attention"],
+               "rope_parameters": {"full_attention": {"rope_theta": 1e6}}}  # fmt: skip
+    compass = ar.RoPE.from_hf_config(compass, layer_type="full_attention")
+    assert list(compass._spec.pair_axis) == list(qwen3._spec.pair_axis)
     for omni in ("qwen3_omni_moe_text", "qwen3_omni_moe_talker_text"):  # Qwen3-VL's layout
         rope = ar.RoPE.from_hf_config({**base, "model_type": omni})
         assert rope.n_axes == 3 and list(rope._spec.pair_axis) == list(qwen3._spec.pair_axis)

@@ -34,7 +34,6 @@ NOT_DRIVEN = {
     "EsmFold2RotaryEmbedding": "a rotary module over atom coordinates, not positions",
     "MusicFlamingoRotaryEmbedding": "its rotary module takes timestamps and a length",
     # the family's own module fails on its config class's defaults
-    "CohereCompassRotaryEmbedding": "its module fails on its config class's defaults",
     "HunYuanVLRotaryEmbedding": "its config class gives no mrope_section, which it needs",
     "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
     # attention classes this driver cannot build or call alone
