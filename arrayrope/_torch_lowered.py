@@ -129,9 +129,9 @@ def _rows(plan, pos, dtype):
         c, s = c - (s * delta + c * half), s + (c * delta - s * half)
     else:
         c, s = c - s * delta, s + c * delta
-    return (c * plan.scale).to(dtype).reshape(*shape, -1), (s * plan.scale).to(dtype).reshape(
-        *shape, -1
-    )
+    cos = (c * plan.scale).to(dtype).reshape(*shape, -1)
+    sin = (s * plan.scale).to(dtype).reshape(*shape, -1)
+    return cos, sin
 
 
 def _rotate(plan, x, cos, sin, inverse):

@@ -7,7 +7,8 @@ transform. So a call reaches arrayrope's registered operators (``_torch_library`
 is tracing or transforming, when autograd records it, or when a tensor is fake, meta or one of
 torch's subclasses (:func:`wanted`); a plain tensor outside all of that takes the path every
 array takes, with no operator in between. Exported programs hold a RoPE's key, so they run in
-the process that made them.
+the process that made them. Where torch.compile traces a small call, the rotation is written
+as torch operations instead (``_torch_lowered``), which the compiler fuses into its code.
 
 This module imports torch: it is imported only once a torch tensor has been seen.
 """
@@ -19,7 +20,6 @@ from ._errors import RopeTypeError, RopeValueError
 from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
 
 _Tensor = torch.Tensor
-_bfloat16 = torch.bfloat16
 
 
 _compiling = torch.compiler.is_compiling
