@@ -355,20 +355,6 @@ def _small_step(x, k, pos):
     )
 
 
-def _eager_small_step(x, k, pos):
-    """_small_step on the direct path: plain tensors, the kernels."""
-    q_rot, k_rot = _HALF.rotate_qk(x, k, pos)
-    return (
-        _HALF.rotate(x, pos),
-        _PARTIAL.rotate(x, pos, inverse=True),
-        _PARTIAL.rotate(x, _M),
-        _HALF.rotate(x),
-        ar.rotate(k[0, 0, 0], int(pos[0])),
-        q_rot,
-        k_rot,
-    )
-
-
 def _graph_targets(fn, *args):
     """The operations of the graph torch.compile hands its backend for ``fn(*args)``."""
     graphs = []
@@ -428,7 +414,7 @@ def test_small_calls_under_compile_equal_the_kernels(dtype, positions, seed):
     k = torch.randn(2, 1, 3, 32, generator=generator).to(dtype)
     pos = torch.tensor(positions)
     got = compiled(x, k, pos)
-    want = _eager_small_step(x, k, pos)
+    want = _small_step(x, k, pos)  # plain tensors outside the compiler: the kernels
     bits = torch.int16 if x.itemsize == 2 else dtype
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a.view(bits), b.view(bits)), (i, positions, seed)
