@@ -115,36 +115,47 @@ COMPILED_ROWS = (1, 4, 16, 256, 2048)
 def compiled_sweep(repeats=5):
     """Under torch.compile (fullgraph), x (1, 32, T, 128) float32 with tensor positions: seconds
     per call of the compiled formula, of arrayrope as it runs there (torch operations for
-    Inductor up to ``_torch_lowered.SMALL`` elements, the operator past it) and of arrayrope
-    through its operator at every size. Rows: (T, formula, arrayrope, operator); none without
+    Inductor up to ``_torch_lowered.SMALL`` elements, the operator past it) and of arrayrope's
+    operator called in the compiled function at every size, the three taking turns in each
+    round (best of ``repeats`` rounds). Rows: (T, formula, arrayrope, operator); none without
     torch."""
     try:
         import torch
     except ImportError:
         return []
     import arrayrope as ar
-    from arrayrope import _torch_lowered
 
     rope = ar.RoPE(128, style="half")
     inv = torch.tensor(rope.inv_freq, dtype=torch.float32)
-    small = _torch_lowered.SMALL
+    key = rope._engine.key
+    rope.rotate(torch.zeros(1, 128, requires_grad=True), 0)  # registers the operators
+    operator = torch.ops.arrayrope.rotate_nograd.default
     rows = []
-    try:
-        for rows_t in COMPILED_ROWS:
-            x = torch.randn(1, 32, rows_t, 128)
-            pos = torch.arange(rows_t) + 1234
-            calls = max(1, 64 // rows_t)
-            torch._dynamo.reset()
-            formula = torch.compile(_torch_formula(torch))
-            times = [_best(lambda: formula(x, pos, inv), repeats, calls)]
-            for limit in (small, 0):  # as it runs; the operator at every size
-                _torch_lowered.SMALL = limit
-                torch._dynamo.reset()
-                ours = torch.compile(lambda t, p: rope.rotate(t, p), fullgraph=True)
-                times.append(_best(lambda: ours(x, pos), repeats, calls))
-            rows.append((rows_t, *times))
-    finally:
-        _torch_lowered.SMALL = small
+    for rows_t in COMPILED_ROWS:
+        x = torch.randn(1, 32, rows_t, 128)
+        pos = torch.arange(rows_t) + 1234
+        calls = max(1, 64 // rows_t)
+        torch._dynamo.reset()
+        formula = torch.compile(_torch_formula(torch))
+        ours = torch.compile(lambda t, p: rope.rotate(t, p), fullgraph=True)
+        through = torch.compile(
+            lambda t, p: operator(t, p, None, None, key, False, "auto", None), fullgraph=True
+        )
+        cases = (lambda: formula(x, pos, inv), lambda: ours(x, pos), lambda: through(x, pos))
+        best = [float("inf")] * len(cases)
+        for fn in cases:
+            fn()
+            fn()
+        for round_ in range(repeats):
+            # each round the other way round: right after torch's own parallel code, its
+            # threads still spin for a while and slow the kernels' threads on a small machine
+            order = list(enumerate(cases))
+            for i, fn in order if round_ % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[i] = min(best[i], (time.perf_counter() - start) / calls)
+        rows.append((rows_t, *best))
     return rows
 
 
