@@ -135,6 +135,12 @@ UNEXPRESSED_MROPE = {
 # run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
 # frequencies), "alternating" (the axes take turns pair by pair), or "split" (one set over the
 # whole head, its even frequencies to the first run and its odd ones to the second: Pixtral).
+# Vision towers whose axial layout no RoPE of pairs expresses, with the reason.
+UNEXPRESSED_AXIAL = {
+    "gemma4_vision": "its code cuts the head into one block per position axis and rotates "
+    "each block by its own halves (feature j with feature j + block/2 inside the block): no "
+    "RoPE of pairs (j, j + rotary_dim/2) or of adjacent pairs",
+}
 AXIAL_LAYOUTS = {
     "inkling2_vision": ((1, 0), "runs"),
     "kimi_k25_vision": ((1, 0), "alternating"),
@@ -217,6 +223,8 @@ def _alternating_sections(sections, pairs):
 def axial(model_type, head_dim, theta):
     """(rotary_dim, blocks, pair_axis, order) of a vision tower's RoPE (rope_type "axial"),
     whose positions are (..., n_axes) in the order of the family's position ids."""
+    if model_type in UNEXPRESSED_AXIAL:
+        raise RopeValueError(f"model_type {model_type!r}: {UNEXPRESSED_AXIAL[model_type]}")
     axes, frequencies = AXIAL_LAYOUTS.get(model_type, ((0, 1), "runs"))
     n = len(axes)
     # the features of one axis, as the families' code computes them

@@ -545,15 +545,19 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             // (getattr(config, "num_attention_heads", None) or 1)
         )
         widths = {}
-        for n_axes in (2, 3):
-            try:
-                widths[n_axes] = rotary(torch.zeros(1), torch.zeros(4, n_axes))[0].shape[-1]
-            except Exception:  # noqa: BLE001 - not this many axes
-                pass
-        fitting = {n: w for n, w in widths.items() if w <= head} or widths
-        n_axes = max(fitting, key=lambda n: (fitting[n], -n)) if fitting else 2
-        position_ids = torch.from_numpy(rng.integers(0, 64, size=(B * T, n_axes)))
-        positions, head_axis = position_ids.numpy(), None
+        # (patches, axes), or with a batch axis first (Gemma 4's vision tower)
+        for lead in ((), (1,)):
+            for n_axes in (2, 3):
+                try:
+                    found = rotary(torch.zeros(1), torch.zeros(*lead, 4, n_axes))[0]
+                    if found.shape[-2] == 4:  # a row per patch
+                        widths[lead, n_axes] = found.shape[-1]
+                except Exception:  # noqa: BLE001 - not this many axes
+                    pass
+        fitting = {k: w for k, w in widths.items() if w <= head} or widths
+        lead, n_axes = max(fitting, key=lambda k: (fitting[k], -len(k[0]), -k[1]), default=((), 2))
+        positions, head_axis = rng.integers(0, 64, size=(B * T, n_axes)), None
+        position_ids = torch.from_numpy(positions.reshape(*lead, B * T, n_axes))
     elif sections:
         position_ids = torch.from_numpy(rng.integers(0, top_position, size=(3, B, T)))
         positions, head_axis = np.moveaxis(position_ids.numpy(), 0, -1), 1
@@ -695,7 +699,11 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         return WRONG, f"{where}: {rope!r} off by {err_q:.2g} (q), {err_k:.2g} (k)"
 
     # a vision tower's attention takes its patches with or without a batch axis
-    shapes = [(B * T, hidden_size), (1, B * T, hidden_size)] if axial else [(B, T, hidden_size)]
+    shapes = [(B, T, hidden_size)]
+    if axial:
+        shapes = (
+            [(1, B * T, hidden_size)] if lead else [(B * T, hidden_size), (1, B * T, hidden_size)]
+        )
     best = None
     for shape in shapes:
         hidden = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))

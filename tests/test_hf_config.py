@@ -171,6 +171,17 @@ def test_mrope_layouts_the_families_keep_in_their_code():
     assert list(own._spec.pair_axis) == [0] * 32 + [1] * 16 + [2] * 16
 
 
+def test_layouts_no_rope_of_pairs_expresses_are_refused():
+    gemma4 = {"model_type": "gemma4_vision", "head_dim": 64,
+              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="each block by its own halves"):
+        ar.RoPE.from_hf_config(gemma4)
+    sections = {"rope_theta": 1e4, "mrope_section": [16, 16, 16, 16]}
+    hunyuan = {"model_type": "hunyuan_vl_text", "head_dim": 128, "rope_parameters": sections}
+    with pytest.raises(ar.RopeValueError, match="no rotation of pairs"):
+        ar.RoPE.from_hf_config(hunyuan)
+
+
 def test_dbrx_names_its_fields_its_own_way():
     dbrx = {"model_type": "dbrx", "d_model": 6144, "n_heads": 48, "max_seq_len": 32768}
     rope = ar.RoPE.from_hf_config({**dbrx, "rope_parameters": {"rope_theta": 5e5}})
