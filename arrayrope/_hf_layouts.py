@@ -111,8 +111,8 @@ MROPE_FAMILIES = {
     "qwen3_vl_text": ((24, 20, 20), "interleaved"),
     "qwen3_vl_moe_text": ((24, 20, 20), "interleaved"),
     "qwen3_omni_moe_text": ((24, 20, 20), "interleaved"),
-    "cohere_compass_text": ((24, 20, 20), "interleaved"),
     "qwen3_omni_moe_talker_text": ((24, 20, 20), "interleaved"),
+    "cohere_compass_text": ((24, 20, 20), "interleaved"),
     "cosmos3_edge_text": ((24, 20, 20), "interleaved"),
     "qwen3_5_text": ((11, 11, 10), "interleaved"),
     "qwen3_5_moe_text": ((11, 11, 10), "interleaved"),
@@ -130,17 +130,17 @@ UNEXPRESSED_MROPE = {
     "mrope_section features, so that the two members of a pair can read different position "
     "axes: no rotation of pairs",
 }
-# Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
-# each axis a run of pairs on its own frequencies over half the head): the position axis each
-# run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
-# frequencies), "alternating" (the axes take turns pair by pair), or "split" (one set over the
-# whole head, its even frequencies to the first run and its odd ones to the second: Pixtral).
 # Vision towers whose axial layout no RoPE of pairs expresses, with the reason.
 UNEXPRESSED_AXIAL = {
     "gemma4_vision": "its code cuts the head into one block per position axis and rotates "
     "each block by its own halves (feature j with feature j + block/2 inside the block): no "
     "RoPE of pairs (j, j + rotary_dim/2) or of adjacent pairs",
 }
+# Vision towers (rope_type "axial") whose pairs depart from Qwen2-VL's (rows, then columns,
+# each axis a run of pairs on its own frequencies over half the head): the position axis each
+# run of pairs reads, in head order, and how frequencies go to pairs: "runs" (each axis its own
+# frequencies), "alternating" (the axes take turns pair by pair), or "split" (one set over the
+# whole head, its even frequencies to the first run and its odd ones to the second: Pixtral).
 AXIAL_LAYOUTS = {
     "inkling2_vision": ((1, 0), "runs"),
     "kimi_k25_vision": ((1, 0), "alternating"),

@@ -170,7 +170,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
                 "arrayrope",
                 "arrayrope through the operator",
                 "arrayrope is",
-            ],  # fmt: skip
+            ],
             [
                 (
                     t,
@@ -178,7 +178,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
                     _fmt(o * 1e6, ".1f"),
                     _fmt(op * 1e6, ".1f"),
                     _speed(f / o),
-                )  # fmt: skip
+                )
                 for t, f, o, op in compiled
             ],
         ),
