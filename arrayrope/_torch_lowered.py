@@ -93,6 +93,10 @@ def rotated(key, xs, pos, pos_int, pos_float, inverse, backend, seq_len):
         p = pos
         if p is None:  # 0..T-1 along axis -2 (position 0 for a 1-D x)
             p = torch.arange(a.shape[-2]) if a.ndim > 1 else torch.zeros((), dtype=torch.int64)
+        # positions that broadcast to a's leading shape, with all its axes or one at most:
+        # (B, T) against (B, H, T) is the operator's to refuse (``_positions.with_axes``)
+        if 1 < p.ndim < a.ndim - 1 or a.numel() == 0:
+            return None
         try:
             if torch.broadcast_shapes(p.shape, a.shape[:-1]) != a.shape[:-1]:
                 return None
@@ -129,8 +133,9 @@ def _rows(plan, pos, dtype):
         c, s = c - (s * delta + c * half), s + (c * delta - s * half)
     else:
         c, s = c - s * delta, s + c * delta
-    cos = (c * plan.scale).to(dtype).reshape(*shape, -1)
-    sin = (s * plan.scale).to(dtype).reshape(*shape, -1)
+    pairs = plan.rotary_dim // 2
+    cos = (c * plan.scale).to(dtype).reshape(*shape, pairs)
+    sin = (s * plan.scale).to(dtype).reshape(*shape, pairs)
     return cos, sin
 
 

@@ -17,6 +17,7 @@ import torch
 
 from . import _torch_lowered
 from ._errors import RopeTypeError, RopeValueError
+from ._spec import check_inverse
 from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
 
 _Tensor = torch.Tensor
@@ -160,7 +161,7 @@ def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
     tensor, as_int, as_float = _split_positions(pos, x)
-    tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
+    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, seq_len)
     if out is None:
         small = _lowered((x,), None, tail)
         return small[0] if small is not None else _rotated(x, tail)
@@ -183,7 +184,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if not isinstance(k, _Tensor):
         raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
     tensor, as_int, as_float = _split_positions(pos, q)
-    tail = (tensor, as_int, as_float, key, bool(inverse), backend, seq_len)
+    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, seq_len)
     if out is None:
         small = _lowered((q, k), None, tail)
         if small is not None:

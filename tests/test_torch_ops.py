@@ -430,6 +430,15 @@ def test_small_calls_under_compile_refuse_positions_outside_the_range():
             RuntimeError, match=r"pos must hold integer positions in \[0, 2\*\*31\)"
         ):
             compiled(x, torch.tensor(bad))
+    # what the direct path refuses, refused alike: (B, T) positions against (B, H, T) without
+    # head_axis, an inverse that is not a bool; and an empty x
+    ids = torch.tensor([[0, 1, 2], [100, 101, 102]])
+    with pytest.raises(RopeValueError, match="fewer axes than the leading shape"):
+        compiled(torch.randn(2, 2, 3, 32), ids)
+    with pytest.raises(RopeTypeError, match="inverse must be a bool"):  # raised as it traces
+        torch.compile(lambda t: _HALF.rotate(t, 3, inverse=1))(x)
+    empty = torch.randn(1, 4, 0, 32)
+    assert compiled(empty, torch.zeros(0, dtype=torch.int64)).shape == empty.shape
     for bad in (-1, 2**31):  # an int: through the operator
         with pytest.raises(RopeValueError, match="pos must be"):
             compiled(x, bad)
