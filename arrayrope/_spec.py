@@ -8,7 +8,7 @@ import operator
 
 import numpy as np
 
-from . import _arrays, _interop
+from . import _arrays
 from ._errors import RopeTypeError, RopeValueError
 
 STYLES = ("interleaved", "half")
@@ -218,10 +218,11 @@ def with_head_axis(pos, head_axis, x, n_axes, name="pos"):
 
 
 def signed(delta):
-    """(|delta|, whether delta is negative) for a move of one sign."""
+    """(|delta|, whether delta is negative) for a move of one sign; ``delta`` a number, or an
+    array already adopted (``_interop.native_positions``)."""
     if isinstance(delta, (int, float, np.integer, np.floating)) and not isinstance(delta, bool):
         return (-delta, True) if delta < 0 else (delta, False)
-    values = _interop.native_positions(delta)
+    values = delta
     if not _arrays.family(values):
         values = np.asarray(values)
     if values.dtype.kind not in "iuf" or values.size == 0:

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _constructors, _kv_cache
+from . import _constructors, _interop, _kv_cache
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._docs import filled
@@ -356,7 +356,7 @@ class RoPE:
                 "shift needs seq_len for a length-dependent scaling rule: the length the rows "
                 "were rotated at, which picks their frequencies"
             )
-        delta, backward = signed(delta)
+        delta, backward = signed(_interop.native_positions(delta))
         if head_axis is not None:
             delta = with_head_axis(delta, head_axis, x, self.n_axes)
         return self._engine_for(_SHIFT).rotate(x, delta, backward, out, backend, seq_len)
