@@ -331,8 +331,10 @@ def rotate_into_cache(
         done = step(self, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
         if done is not None:
             return done
-    key = step_key(q, k, v, pos, k_cache, v_cache, slots, out, cache_layout) if plain else None
     spec = self._spec
+    key = (
+        step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout) if plain else None
+    )
     d = spec.head_dim
     arrays = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
     for name, a in (arrays | ({} if out is None else {"out": out})).items():
@@ -366,10 +368,11 @@ def rotate_into_cache(
     # inputs the kernel cannot address as they are go through a copy
     addressable = [_arrays.addressable(a, NUMPY) for a in (q, k, v)]
     q, k, v = (a if fit else a.copy() for a, fit in zip((q, k, v), addressable))
+    numbers = np.array((eps, k_multiplier, v_multiplier), dtype)
     cpu.launch_fused(
         q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, cache_layout, spec,
-        q_weight, k_weight, dtype.type(eps), dtype.type(k_multiplier), dtype.type(v_multiplier),
+        q_weight, k_weight, numbers,
     )  # fmt: skip
     if key is not None and all(addressable):
-        remember(key, spec, (q, out, k, v, k_cache, v_cache), block, dtype)
+        remember(key, spec, (q, out, k, v, k_cache, v_cache), block, cache_layout, cos, sin)
     return out

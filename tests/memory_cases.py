@@ -249,7 +249,8 @@ def _into_cache(rope, spec, rng, dtype, side):
     """RoPE.rotate_into_cache: q, k and v of ``spec["shape"][0]`` tokens, views of one fused
     projection in ``layout``; both caches guarded, their first and last slots written, so a
     cache row sits flush against the guard; rotate_qk and a NumPy scatter of copies on plain
-    allocations judge every bit."""
+    allocations judge every bit of the second of two calls (the cache's rows written twice
+    over with the same values)."""
     n, d, seed = spec["shape"][0], spec["shape"][-1], spec["seed"]
     hq, hkv = 3, 1 + seed % 2  # each from its own bits of the seed
     layout, block = ("NHD", "HND")[seed // 2 % 2], 1 + seed // 4 % 4
@@ -268,7 +269,8 @@ def _into_cache(rope, spec, rng, dtype, side):
     copies = [a.copy() for a in (fused, *caches)]
     per_token = oracle_pos if np.ndim(oracle_pos) == 0 else np.asarray(oracle_pos)[:, None]
     want_q, want_k = rope.rotate_qk(q.copy(), k.copy(), per_token)
-    got = rope.rotate_into_cache(q, k, v, pos, *caches, slots, cache_layout=layout)
+    for _ in range(2):  # a layout's second call takes the decode loop's short way (_kv_step)
+        got = rope.rotate_into_cache(q, k, v, pos, *caches, slots, cache_layout=layout)
     assert (got.view(np.uint8) == want_q.view(np.uint8)).all(), "q's rotation"
     assert (fused.view(np.uint8) == copies[0].view(np.uint8)).all(), "the projection was written"
     used = slots >= 0

@@ -121,13 +121,16 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     cos = sin = np.zeros((10, 64), np.float64 if dtype == np.float64 else np.float32)
     none, weight = np.empty(0, cos.dtype), np.ones(128, cos.dtype)
     expected = dtype != np.float16 or HARDWARE_F16
-    out, caches = np.empty_like(q), (k_cache, v_cache)
-    at = [_fused._view(a)[2] for a in (out, k_cache, v_cache)]  # their addresses
-    assert _fused._vector(rope._spec, q, (out,), at[:1], none, cos, sin) == expected
-    assert _fused._vector(rope._spec, k, caches, at[1:], none, cos, sin, v) == expected
-    assert not _fused._vector(rope._spec, k, caches, at[1:], weight, cos, sin, v)
+    out = np.empty_like(q)
+    steps = 3 if expected else 0  # bit 0: q's rows; bit 1: k's and v's
+    args = (rope._spec, q, out, k, v, k_cache, v_cache)
+    assert _fused.layout_vector(*args, none, none, cos, sin) == steps
+    assert _fused.layout_vector(*args, none, weight, cos, sin) == steps & 1  # k's norm
+    assert _fused.layout_vector(*args, weight, none, cos, sin) == steps & 2  # q's norm
     # a target off the 16-byte grid takes the row loop
-    assert not _fused._vector(rope._spec, q, (out,), (at[0] + 4,), none, cos, sin)
+    assert _fused.vector_steps(steps, 0, 32, 48) == steps
+    assert _fused.vector_steps(steps, 4, 32, 48) == steps & 2
+    assert _fused.vector_steps(steps, 0, 32, 40) == steps & 1
 
 
 def _rms64(x, weight, eps):
@@ -402,6 +405,79 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
             rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, cache_layout="HND")
     for a, b in zip(before, (k_cache, v_cache, q)):
         assert np.array_equal(bits(a), bits(b))
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    tokens=st.sampled_from(["fused", "reversed", "own arrays"]),
+    where=st.sampled_from(["new", "out", "strided out", "in place"]),
+    every_other_block=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_decode_loop_over_any_layout(dtype, layout, tokens, where, every_other_block, seed):
+    # After the first step a loop's layouts are known, and the compiled launch makes the flat
+    # views of arrays of any strides (descending, every other block of a cache): each step has
+    # rotate_qk's and a scatter's bits, and nothing outside the arrays is written
+    from arrayrope import _kv_step
+
+    rng = np.random.default_rng(seed)
+    rope = ar.RoPE(32, style="half", rotary_dim=16)
+    n, hq, hkv, d = 5, 3, 2, 32
+    blocks, block = 4, 4
+    spare = 2 if every_other_block else 1
+    k_all, v_all = _caches(rng, spare * blocks, block, hkv, d, dtype, layout)
+    k_cache, v_cache = k_all[::spare], v_all[::spare]
+    for _ in range(3):
+        q, k, v = _qkv(rng, n, hq, hkv, d, dtype, tokens != "own arrays")
+        if tokens == "reversed":
+            q, k, v = q[::-1], k[::-1], v[::-1]
+        pos = rng.integers(0, 1000, n)
+        slots = rng.permutation(blocks * block)[:n].astype(np.int64)
+        slots[rng.random(n) < 0.2] = -1
+        want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+        expected_k, expected_v = _rows(k_cache, layout).copy(), _rows(v_cache, layout).copy()
+        between = slice(1, None, 2) if every_other_block else slice(0)  # blocks not in use
+        skipped = k_all[between].copy(), v_all[between].copy()
+        used = slots >= 0
+        expected_k[slots[used]], expected_v[slots[used]] = want_k[used], v[used]
+        outer = np.full((n, hq + 1, d + 8), np.nan, dtype)
+        out = {
+            "new": None, "out": np.full(q.shape, np.nan, dtype),
+            "strided out": outer[:, 1:, 4 : d + 4], "in place": q,
+        }[where]  # fmt: skip
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out,
+                                     cache_layout=layout)  # fmt: skip
+        assert out is None or got is out
+        assert np.array_equal(bits(got), bits(want_q))
+        assert np.array_equal(bits(_rows(k_cache, layout)), bits(expected_k))
+        assert np.array_equal(bits(_rows(v_cache, layout)), bits(expected_v))
+        assert np.array_equal(bits(k_all[between]), bits(skipped[0]))
+        assert np.array_equal(bits(v_all[between]), bits(skipped[1]))
+        if where == "strided out":
+            outer[:, 1:, 4 : d + 4] = 0
+            assert np.isnan(outer.astype(np.float32)).sum() == outer.size - got.size
+        key = _kv_step.step_key(rope._spec, q, k, v, pos, k_cache, v_cache, slots, out, layout)
+        assert _kv_step._steps.get(key) is not None  # the next step of this layout: short
+
+
+def test_ropes_that_share_a_loops_layouts_each_keep_their_own(rng):
+    # layers of two RoPEs (another rotary part, another style, another base) take turns on one
+    # loop's arrays: each step is its own RoPE's rotation
+    ropes = [
+        ar.RoPE(32, style="half"), ar.RoPE(32, rotary_dim=16), ar.RoPE(32, base=10**6),
+        ar.RoPE(32, style="half", rotary_dim=8),
+    ]  # fmt: skip
+    n, hq, hkv, d = 4, 2, 1, 32
+    k_cache, v_cache = _caches(rng, 2, 8, hkv, d, np.float32, "NHD")
+    for _ in range(3):
+        for rope in ropes:
+            q, k, v = _qkv(rng, n, hq, hkv, d, np.float32, True)
+            pos, slots = rng.integers(0, 500, n), rng.permutation(16)[:n]
+            want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+            got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+            assert np.array_equal(got, want_q)
+            assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
 
 
 def test_a_decode_loop_still_sees_arrays_that_share_memory(rng):

@@ -3,13 +3,15 @@ into its result, k rotated into the key cache at the token's slot and v copied i
 cache there, each row read once; optionally each head RMS-normalized before its rotation, and
 the caches float8 (e4m3fn), stored divided by their scales and saturated.
 
-Operands are flat views with element strides (see the launcher in backends/cpu/__init__): q, k
-and v (token, head), the result (token, head), each cache (block, offset in block, head). A
-token's table row is ``rows[t]`` of cos and sin. Arithmetic is float32 (float64 for float64), the
-RMS accumulated in it, and every value is rounded once, at its store.
+The kernels address each operand through a flat view of its memory with element strides
+(:func:`fused_step` makes them, from arrays of any layout): q, k and v (token, head), the result
+(token, head), each cache (block, offset in block, head). A token's table row is ``rows[t]`` of
+cos and sin. Arithmetic is float32 (float64 for float64), the RMS accumulated in it, and every
+value is rounded once, at its store.
 """
 
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -17,14 +19,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from ..._cache import Bounded
-from .._geometry import flat_view
 from . import _config
 from ._config import DISK_CACHE, HARDWARE_F16, VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
-from ._simd import copy_bytes
-from ._step_checks import address_of
+from ._simd import copy_bytes, span
+from ._step_checks import bounds, check_slots
 
 # The vector steps of the direct path (see _direct), with plain stores: a cache row is read
 # again soon (by attention), and a result row is as likely to be.
@@ -245,49 +245,157 @@ def fused_parallel(
             )  # fmt: skip
 
 
-def _view(a, address=None):
-    """``a``'s flat view for the kernel (the half types as their bits, float8 as uint8), the
-    element offset of a[0, ..., 0] in it and a's address (computed where not given). A view
-    of a contiguous array (q, k and v of one QKV buffer) is addressed through that array:
-    flat_view's general way costs more than the kernel of a decode step."""
-    if address is None:
-        address = address_of(_bits_view(a, a.dtype))  # Numba types the half types by their bits
-    if a.flags.c_contiguous:
-        return _bits_view(a.reshape(-1), a.dtype), 0, address
-    owner, apart = a.base, 1
-    if type(owner) is np.ndarray and owner.flags.c_contiguous and owner.dtype == a.dtype:
-        base, apart = divmod(address - address_of(_bits_view(owner, a.dtype)), a.itemsize)
-    if apart:  # no such owner, or a starts between its elements (a byte-shifted view)
-        flat, base = flat_view(a)
+@njit
+def _extent(a):
+    """(first, end): the bytes ``a`` spans, from a[0, ..., 0] (first <= 0 where an axis
+    descends); (0, 0) for an empty array."""
+    first, end = 0, a.itemsize
+    for axis in range(a.ndim):
+        if a.shape[axis] == 0:
+            return 0, 0
+        step = (a.shape[axis] - 1) * a.strides[axis]
+        if step < 0:
+            first += step
+        else:
+            end += step
+    return first, end
+
+
+@njit
+def _flat(a, extent):
+    """``a``'s memory as a flat view, and the element offset of a[0, ..., 0] in it."""
+    first, end = extent
+    item = a.itemsize
+    return span(a, first // item, (end - first) // item), -first // item
+
+
+@njit
+def _meets(at, extent, other_at, other):
+    """Whether two arrays' spans (their addresses and extents) share a byte."""
+    return at + extent[0] < other_at + other[1] and other_at + other[0] < at + extent[1]
+
+
+@njit
+def _strides(a, base, first, second, third):
+    """(base, a's element strides along the given axes) as the kernel's int64 offsets; third
+    < 0 leaves it out."""
+    item = a.itemsize
+    if third < 0:
+        return np.array((base, a.strides[first] // item, a.strides[second] // item))
+    return np.array(
+        (base, a.strides[first] // item, a.strides[second] // item, a.strides[third] // item)
+    )
+
+
+@njit
+def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
+    """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
+    whose targets' addresses are 16-byte aligned."""
+    steps = allowed & 1 if out_at % 16 == 0 else 0
+    if k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
+        steps |= allowed & 2
+    return steps
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, numbers,
+               settings, tasks):  # fmt: skip
+    """Launch the step on arrays of any layout (the half types and float8 as their bits): their
+    flat views, offsets and strides made here. ``settings`` (see :func:`settings`): block
+    size, HND, rotary_dim, half style, the vector steps the layouts allow (see
+    :func:`layout_vector`) and whether to check; ``numbers``: eps and the caches'
+    multipliers, of the compute dtype; ``tasks``: how many ranges of tokens Numba's threads
+    share (0: the caller's thread runs them all).
+
+    With the check, the call's own inputs are checked first and 0 means launched; else nothing
+    is written and the status names the first failure: 1 a slot out of range or used twice,
+    2 a position outside the table, 3 a written array whose span meets another's (out at q's
+    address in q's layout is in place). The slots and positions are used as checked copies
+    (the caller's may change meanwhile). Without the check the caller has made every one."""
+    block, hnd, rotary_dim, half_style = settings[0], settings[1], settings[2], settings[3]
+    n, hq, d = q.shape
+    if settings[5]:
+        slots, rows = slots.copy(), rows.copy()
+        if check_slots(slots, kc.shape[0] * block)[0]:
+            return 1
+        low, high = bounds(rows)
+        if low < 0 or high >= cos.shape[0]:
+            return 2
+    at = (
+        q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, kc.ctypes.data,
+        vc.ctypes.data,
+    )  # fmt: skip
+    spans = (_extent(q), _extent(out), _extent(k), _extent(v), _extent(kc), _extent(vc))
+    same = at[1] == at[0]
+    if settings[5]:
+        for w in (1, 4, 5):  # out, k_cache, v_cache: written
+            for other in range(6):
+                if other == w or not _meets(at[w], spans[w], at[other], spans[other]):
+                    continue
+                if not (w == 1 and other == 0 and same and q.strides == out.strides):
+                    return 3
+    qf, qb = _flat(q, spans[0])
+    kf, kb = _flat(k, spans[2])
+    vf, vb = _flat(v, spans[3])
+    kcf, kcb = _flat(kc, spans[4])
+    vcf, vcb = _flat(vc, spans[5])
+    qs = _strides(q, qb, 0, 1, -1)
+    if same:  # out is q (the caller has refused any other overlap): addressed through q's view
+        of, os_ = qf, qs
     else:
-        flat = owner.reshape(-1)
-    return _bits_view(flat, a.dtype), base, address
+        of, ob = _flat(out, spans[1])
+        os_ = _strides(out, ob, 0, 1, -1)
+    offset, heads = (2, 1) if hnd else (1, 2)
+    vector = vector_steps(settings[4], at[1], at[4], at[5])
+    args = (
+        qf, of, kf, vf, kcf, vcf, qs, os_, _strides(k, kb, 0, 1, -1), _strides(v, vb, 0, 1, -1),
+        _strides(kc, kcb, 0, offset, heads), _strides(vc, vcb, 0, offset, heads), slots, rows,
+        cos, sin, block, hq, k.shape[1], rotary_dim, d, half_style != 0, False, q_weight,
+        k_weight, numbers[0], numbers[1], numbers[2], vector,
+    )  # fmt: skip
+    if tasks:
+        fused_parallel(*args, tasks, n)
+    else:
+        fused_range(*args, 0, n)
+    return 0
 
 
-def views_of(arrays, addresses):
-    """:func:`_view` of each of ``arrays`` at its known address; where several are views of one
-    contiguous owner (q, k and v of a QKV buffer), that owner's flat view and address are
-    made once."""
-    owners, views = {}, []
-    for a, address in zip(arrays, addresses):
-        owner = a.base
-        if a.flags.c_contiguous or type(owner) is not np.ndarray or owner.dtype != a.dtype:
-            views.append(_view(a, address))
-            continue
-        held = owners.get(id(owner))  # (the owners live through the call: ids stay theirs)
-        if held is None:
-            if not owner.flags.c_contiguous:
-                views.append(_view(a, address))
-                continue
-            flat = _bits_view(owner.reshape(-1), a.dtype)
-            held = owners[id(owner)] = (flat, address_of(flat))
-        base, apart = divmod(address - held[1], a.itemsize)
-        views.append(_view(a, address) if apart else (held[0], base, address))
-    return views
+# fused_step compiles once per dtype combination, its six operands typed as of any layout (see
+# _specialized): a decode loop's views and a prefill's contiguous arrays share one build
+_compiling = threading.Lock()
+_built = False  # whether fused_step has a build, and so takes no new ones at call time
 
 
-def _bits_view(a, dtype):
-    bits = bits_of(dtype)
+def _specialized(args):
+    """Compile fused_step for ``args`` with its six operands typed as of any layout (Numba
+    then calls that build with arrays of every layout: C arrays convert to it)."""
+    global _built
+    signature = tuple(
+        numba.typeof(a).copy(layout="A") if i < 6 else numba.typeof(a) for i, a in enumerate(args)
+    )
+    with _compiling:
+        fused_step.disable_compile(False)
+        try:
+            fused_step.compile(signature)
+        finally:
+            fused_step.disable_compile()
+            _built = True
+
+
+def _step(*args):
+    """fused_step(*args), compiling it first for a new dtype combination."""
+    if not _built:
+        _specialized(args)
+    try:
+        return fused_step(*args)
+    except TypeError:  # no build for these types yet (Numba raises before running anything)
+        _specialized(args)
+    return fused_step(*args)
+
+
+def bits_view(a):
+    """``a`` as the kernel reads it: the half types by their bits, float8 as uint8."""
+    bits = bits_of(a.dtype)
     return a if bits is None else a.view(bits)
 
 
@@ -297,23 +405,18 @@ def bits_of(dtype):
     return {"float16": np.int16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype.name)
 
 
-def _strides(a, base, axes):
-    """(base, the element strides of ``axes``) as the kernel's int64 (an array kept per value
-    and never written: a decode step makes the same ones each call)."""
-    key = (base, *(a.strides[i] // a.itemsize for i in axes))
-    found = _offsets.get(key)
-    return _offsets.put(key, np.array(key, np.int64)) if found is None else found
+def layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin):
+    """The vector steps the layouts allow, where the targets' addresses are 16-byte aligned
+    (fused_step checks those): bit 0 for q's rows, bit 1 for k's and v's."""
+    vector = int(_vector(spec, q, (out,), q_weight, cos, sin))
+    return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), k_weight, cos, sin, v))
 
 
-_offsets = Bounded(256)  # cache: _strides' arrays by value
-_launches = Bounded(256)  # cache: a launch's stride arrays and vector steps by its layout
-
-
-def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
+def _vector(spec, x, targets, weight, cos, sin, other=None):
     """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``: no norm,
     targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
-    block and tail of whole 16 bytes, 16-byte aligned target rows, unit-stride table rows, and
-    float16 converted by the CPU."""
+    block and tail of whole 16 bytes, 16-byte strides between target rows, unit-stride table
+    rows, and float16 converted by the CPU."""
     item = x.itemsize
     block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
     if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
@@ -322,8 +425,8 @@ def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
         return False
     if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
         return False
-    for target, address in zip(targets, addresses):
-        if target.dtype != x.dtype or address % 16:
+    for target in targets:
+        if target.dtype != x.dtype:
             return False
         rows = zip(target.shape[:-1], target.strides[:-1])  # the feature axis is contiguous
         if any(stride % 16 for size, stride in rows if size > 1):
@@ -331,50 +434,35 @@ def _vector(spec, x, targets, addresses, weight, cos, sin, other=None):
     return other is None or other.dtype == x.dtype
 
 
+def settings(spec, block, layout, vector, check):
+    """fused_step's int64 settings."""
+    return np.array(
+        (block, layout == "HND", spec.rotary_dim, spec.half_style, vector, check), np.int64
+    )
+
+
+def parallel(q, k):
+    """Whether a step of these operands runs on Numba's threads."""
+    size = q.shape[0] * (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
+    return size >= _config.CONFIG.serial_below
+
+
+def run(args, n, threaded):
+    """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
+    launch them, in ranges of tokens a few per thread."""
+    if threaded and _config.threads_usable():
+        return _config.run_parallel(_step, *args, min(n, 16 * numba.get_num_threads()))
+    return _step(*args, 0)
+
+
 def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec, q_weight,
-           k_weight, eps, k_multiplier, v_multiplier, known=None):  # fmt: skip
-    """Run :func:`fused_range` over every token, on Numba's threads where the step is large.
-    The caller has checked every argument (see _kv_cache); ``known``: the operands' addresses
-    where it has them (see :func:`addresses`)."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    arrays = (q, out, k, v, k_cache, v_cache)
-    views = [_view(a) for a in arrays] if known is None else views_of(arrays, known)
-    (qf, qb, qa), (of, ob, oa), (kf, kb, _), (vf, vb, _), (kcf, kcb, kca), (vcf, vcb, vca) = views
-    # what follows from the layout alone, kept: a decode loop brings the same one each step
-    key = (
-        spec, layout, q.dtype, k_cache.dtype, v_cache.dtype, q.shape, k.shape, k_cache.shape,
-        q.strides, out.strides, k.strides, v.strides, k_cache.strides, v_cache.strides,
-        qb, ob, kb, vb, kcb, vcb, oa % 16, kca % 16, vca % 16, q_weight.size, k_weight.size,
-        cos.dtype, cos.strides, sin.strides,
-    )  # fmt: skip
-    found = _launches.get(key)
-    if found is None:
-        cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
-        vector = int(_vector(spec, q, (out,), (oa,), q_weight, cos, sin))
-        vector |= 2 * int(_vector(spec, k, (k_cache, v_cache), (kca, vca), k_weight, cos, sin, v))
-        found = _launches.put(
-            key,
-            (
-                _strides(q, qb, (0, 1)), _strides(out, ob, (0, 1)), _strides(k, kb, (0, 1)),
-                _strides(v, vb, (0, 1)), _strides(k_cache, kcb, cache_axes),
-                _strides(v_cache, vcb, cache_axes), vector,
-            ),
-        )  # fmt: skip
-    qs, os_, ks, vs, kcs, vcs, vector = found
-    # out at q's address is q itself (the caller refuses any other overlap): the kernel then
-    # addresses it through q's view and offsets, whichever way each was reached
-    same = out is q or oa == qa
-    if same:
-        of, os_ = qf, qs
+           k_weight, numbers):  # fmt: skip
+    """Run the step over every token, on Numba's threads where it is large. The caller has
+    checked every argument (see _kv_cache); ``numbers``: eps and the caches' multipliers, of
+    the compute dtype."""
+    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin)
     args = (
-        qf, of, kf, vf, kcf, vcf, qs, os_, ks, vs, kcs, vcs, slots, rows,
-        cos, sin, block, hq, hkv, spec.rotary_dim, d, spec.half_style, False, q_weight,
-        k_weight, eps, k_multiplier, v_multiplier, vector,
+        *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
+        q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),
     )  # fmt: skip
-    size = n * (hq + 2 * hkv) * d
-    if size >= _config.CONFIG.serial_below and _config.threads_usable():
-        tasks = min(n, 16 * numba.get_num_threads())
-        _config.run_parallel(fused_parallel, *args, tasks, n)
-    else:
-        fused_range(*args, 0, n)
+    run(args, q.shape[0], parallel(q, k))

@@ -3,7 +3,8 @@
 Vector steps rotate the pairs of 16 or 32 bytes of a row at a time (or one pair): loads
 widened to the compute type, the rotation, the store rounded to the storage type, with plain or
 streaming (non-temporal) stores. The rest are single instructions LLVM does not reach from
-Numba: row views typed as contiguous, addresses, 64-byte streaming copies, the store fence.
+Numba: row views typed as contiguous, the flat view of an array's memory, addresses, 64-byte
+streaming copies, the store fence.
 
 Every step addresses its arrays by flat element offsets from their first element; the caller
 guarantees the offsets are in bounds.
@@ -13,8 +14,10 @@ import platform
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 # Streaming stores and their fence are x86 instructions.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -41,6 +44,31 @@ def address(typingctx, a, i):
         return builder.ptrtoint(builder.gep(data, [args[1]]), ir.IntType(64))
 
     return types.uint64(a, i), codegen
+
+
+@intrinsic
+def span(typingctx, a, first, length):
+    """The 1-D view of ``length`` elements of unit stride from ``first`` elements past
+    a[0, ..., 0] (``first`` <= 0 where a descends along an axis), typed C: the memory an array
+    of any layout spans, for kernels that address it by element offsets. The caller keeps the
+    view inside that memory."""
+    view_type = types.Array(a.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        view = context.make_array(view_type)(context, builder)
+        populate_array(
+            view,
+            data=builder.gep(source.data, [args[1]]),
+            shape=cgutils.pack_array(builder, [args[2]]),
+            strides=cgutils.pack_array(builder, [source.itemsize]),
+            itemsize=source.itemsize,
+            meminfo=source.meminfo,
+            parent=source.parent,
+        )
+        return impl_ret_borrowed(context, builder, view_type, view._getvalue())
+
+    return view_type(a, types.intp, types.intp), codegen
 
 
 def _store_streaming(context, builder, array_type, array, index, value, align, nontemporal=True):

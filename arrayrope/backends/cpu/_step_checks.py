@@ -1,6 +1,6 @@
-"""A step's checks and addresses in compiled calls (``RoPE.rotate_into_cache``): where NumPy
-would take several calls each for the slots, the positions' bounds and the operands' addresses,
-a decode step pays one."""
+"""A step's checks in compiled code (``RoPE.rotate_into_cache``): where NumPy would take
+several calls each for the slots and the positions' bounds, a decode step pays none (the fused
+launch runs them)."""
 
 import numpy as np
 from numba import njit
@@ -45,29 +45,3 @@ def bounds(values):
         low = min(low, values[i])
         high = max(high, values[i])
     return low, high
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def address_of(a):
-    """The address of a[0, ..., 0]: a compiled call costs a fraction of NumPy's ctypes.data."""
-    return a.ctypes.data
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def addresses(q, out, k, v, k_cache, v_cache):
-    """The six operands' addresses (their bits views: see _bits_view), in one compiled call."""
-    return (
-        q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, k_cache.ctypes.data,
-        v_cache.ctypes.data,
-    )  # fmt: skip
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def step_inputs(slots, pos, capacity):
-    """A decode step's int64 slots and positions, copied (the caller's may change meanwhile:
-    they are checked and used as one copy) and checked in one call: (check_slots' status and
-    value, the positions' lowest and highest, the slots, the positions)."""
-    slots, pos = slots.copy(), pos.copy()
-    status, value = check_slots(slots, capacity)
-    low, high = bounds(pos)
-    return status, value, low, high, slots, pos
