@@ -1,0 +1,65 @@
+"""RoPE.rotate_into_cache on torch tensors: plain CPU tensors through views of their memory (the
+NumPy step, the caches written where they are), and what torch traces, compiles or fakes
+through the ``arrayrope::rotate_into_cache`` operators (``_torch_ops``).
+
+The step writes its caches in place, so arrays that cannot be written are refused: JAX's
+(immutable) and read-only views. The kernel runs on the CPU: CUDA tensors are refused by the
+NumPy step, which names them.
+"""
+
+import sys
+
+import numpy as np
+
+from . import _interop
+from ._errors import RopeTypeError
+
+NAMES = ("q", "k", "v", "pos", "k_cache", "v_cache", "slots", "out")
+_WRITTEN = ("k_cache", "v_cache", "out")
+
+
+def _framework(a):
+    return type(a).__module__.split(".", 1)[0]
+
+
+def run(rope, arrays, options):
+    """``rope.rotate_into_cache`` on ``arrays`` (q, k, v, pos, k_cache, v_cache, slots, out by
+    :data:`NAMES`), where q is neither NumPy nor CuPy; ``options`` are its keyword
+    arguments."""
+    q, out = arrays[0], arrays[-1]
+    frameworks = {_framework(a) for a in arrays if hasattr(a, "__dlpack__")}
+    if frameworks & {"jax", "jaxlib"}:
+        raise RopeTypeError(
+            "rotate_into_cache writes k_cache and v_cache in place, and JAX arrays cannot be "
+            "written: pass NumPy arrays (np.asarray) or torch tensors"
+        )
+    if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays):
+        return _interop.torch_ops().rotate_into_cache(rope._engine.key, arrays, options)
+    natives = [_native(name, a) for name, a in zip(NAMES, arrays)]
+    result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
+    if out is not None:
+        return out
+    return _interop.restorer(_framework(q))(result) if hasattr(q, "__dlpack__") else result
+
+
+def _native(name, a):
+    """A NumPy (or CuPy) view of ``a`` where it comes from another framework; ``a`` itself
+    otherwise (NumPy arrays, ints, lists, None)."""
+    if a is None or type(a) is np.ndarray or not hasattr(a, "__dlpack__"):
+        return a
+    torch = sys.modules.get("torch")
+    if torch is not None and type(a) is torch.Tensor:
+        try:
+            # the fast view of a plain CPU tensor; numpy() refuses what DLPack's way (below)
+            # resolves or names: bfloat16, lazy negations, device tensors
+            return a.numpy()
+        except (RuntimeError, TypeError):
+            pass
+    if _framework(a) == "torch" and a.dtype == torch.float8_e4m3fn:
+        # DLPack carries no float8: its bits, viewed as ml_dtypes' type
+        import ml_dtypes
+
+        bits = _interop.adopt(name, a.view(torch.uint8), name in _WRITTEN)[0]
+        return bits.view(ml_dtypes.float8_e4m3fn)
+    native, _, read_only = _interop.adopt(name, a, name in _WRITTEN)
+    return native
