@@ -1,5 +1,5 @@
 """RoPE.rotate_into_cache: the step of an inference loop from the projections to a paged KV
-cache in one pass (the CPU kernel in backends/cpu/_fused).
+cache in one pass (the CPU kernel in backends/cpu/_fused, the CUDA one in backends/cuda/rope.cu).
 
 Every check comes before the launch, so that nothing is written on a refusal: shapes and dtypes,
 the cache layout, slots in range and each used once (two tokens in one slot would race), no
@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from . import _arrays, _positions
-from ._arrays import NUMPY
+from ._arrays import CUPY, FOREIGN, NUMPY
 from ._cache import Bounded
 from ._docs import filled
 from ._errors import RopeTypeError, RopeValueError
@@ -30,16 +30,16 @@ def _fp8(dtype):
     return dtype.name == "float8_e4m3fn"  # ml_dtypes' type: never imported here
 
 
-def _operand(name, a, shape, dtype, written=False):
-    """Raise unless the NumPy array ``a`` has ``shape`` and ``dtype`` (and, if ``written``, can
-    take the kernel's writes)."""
+def _operand(name, a, shape, dtype, family, written=False):
+    """Raise unless the array ``a`` has ``shape`` and ``dtype`` (and, if ``written``, can take
+    the kernel's writes)."""
     if a.shape != shape:
         raise RopeValueError(f"{name} must have shape {shape}, got {a.shape}")
     if a.dtype != dtype:
         raise RopeTypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
-    if written and not a.flags.writeable:
+    if written and family == NUMPY and not a.flags.writeable:
         raise RopeValueError(f"{name} is read-only")
-    if written and not _arrays.addressable(a, NUMPY):
+    if written and not _arrays.addressable(a, family):
         raise RopeValueError(
             f"{name} must have a contiguous feature axis and element-aligned strides, got "
             f"strides {a.strides}"
@@ -126,14 +126,14 @@ def _slots(slots, n, capacity):
     return slots
 
 
-def _overlaps(read, written):
+def _overlaps(read, written, family):
     """Raise where an array written shares memory with another array (out may be q: in place);
     the arrays only read may share theirs (q, k and v of one QKV buffer)."""
     items = list(written.items())
     pairs = [(a, b) for i, a in enumerate(items) for b in items[i + 1 :]]
     # arrays read that are views of one array (a QKV projection) lie in its memory: a written
     # array clear of that memory is clear of each of them
-    owner = next(iter(read.values())).base
+    owner = next(iter(read.values())).base if family == NUMPY else None
     if type(owner) is not np.ndarray or any(a.base is not owner for a in read.values()):
         owner = None
     for item in items:
@@ -142,10 +142,56 @@ def _overlaps(read, written):
     for (a_name, a), (b_name, b) in pairs:
         if not (a.size and b.size):
             continue
-        kind = _arrays.overlap_kind(a, b, NUMPY)
+        kind = _arrays.overlap_kind(a, b, family)
         if kind == "none" or kind == "same" and {a_name, b_name} == {"q", "out"}:
             continue
         raise RopeValueError(f"{a_name} and {b_name} share memory")
+
+
+def _family(arrays):
+    """NUMPY or CUPY: the family of every one of ``arrays`` (CuPy's on one device)."""
+    families = {name: _arrays.family(a) for name, a in arrays.items()}
+    family = families["q"]
+    for name, a in arrays.items():
+        if families[name] != family or family not in (NUMPY, CUPY):
+            raise RopeTypeError(
+                f"{name} must be a NumPy array like q, or all of q, k, v, the caches and out CuPy "
+                f"arrays, got {_arrays.describe(a)}"
+            )
+    if family == CUPY:
+        device = arrays["q"].device
+        for name, a in arrays.items():
+            if a.device != device:
+                raise RopeValueError(f"{name} is on {a.device} and q on {device}: use one device")
+    return family
+
+
+def _on_host(a):
+    """Slots, positions or weights on a device, copied to the host (the call waits for the
+    device): they are checked there, before anything is written."""
+    return a.get() if _arrays.family(a) == CUPY else a
+
+
+def _on_device(rope, q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
+               q_weight, k_weight, numbers):  # fmt: skip
+    """The checked step's launch on CuPy arrays: each token's table row, the slots and the
+    weights copied to q's device (a few kilobytes a token at most)."""
+    import cupy
+
+    from .backends.cuda import cupy as kernels
+
+    with q.device:
+        if q_weight.size and _arrays.address(out) == _arrays.address(q):
+            # in place with a norm: each lane of a row's warp sums the whole row, which the
+            # others are writing, so the kernel reads a copy
+            q = q.copy()
+        cos, sin = cupy.asarray(cos[rows]), cupy.asarray(sin[rows])
+        rows, slots = cupy.arange(rows.shape[0], dtype=np.int64), cupy.asarray(slots)
+        q_weight, k_weight = cupy.asarray(q_weight), cupy.asarray(k_weight)
+    kernels.launch_fused(
+        q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, rope._spec,
+        q_weight, k_weight, numbers,
+    )  # fmt: skip
 
 
 def _resolved(pos, n_axes):
@@ -199,26 +245,32 @@ def _rows(rope, pos, n, dtype, seq_len):
     return cos, sin, np.arange(n, dtype=np.int64)
 
 
-def _layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
+def _layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     """(N, Hq, Hkv, block_size) after the checks that the arrays' layouts settle: shapes,
     dtypes, the cache layout, and the written arrays' flags and strides. Kept per layout (a
     decode loop brings the same arrays' layouts each step, at new addresses)."""
     if not (isinstance(cache_layout, str) and cache_layout in LAYOUTS):
         raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
     key = (d, cache_layout) + tuple(
-        None if a is None else (a.shape, a.strides, a.dtype, a.flags.num)
+        None if a is None else (a.shape, a.strides, a.dtype, _flags(a, family))
         for a in (q, k, v, k_cache, v_cache, out)
     )
     found = _layouts.get(key)
     if found is None:
-        found = _layouts.put(key, _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout))
+        checked = _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family)
+        found = _layouts.put(key, checked)
     return found
 
 
 _layouts = Bounded(256)  # cache: _layout by the arrays' layouts
 
 
-def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
+def _flags(a, family):
+    """What an array's flags say that its layout does not (writeable, aligned): NumPy's."""
+    return a.flags.num if family == NUMPY else family
+
+
+def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     """:func:`_layout`'s checks, each refusal naming the argument and its value."""
     if q.ndim != 3:
         raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {q.shape}")
@@ -227,8 +279,8 @@ def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
     if k.ndim != 3:
         raise RopeValueError(f"k must have shape (N, Hkv, head_dim), got {k.shape}")
     hkv = k.shape[1]
-    _operand("k", k, (n, hkv, d), q.dtype)
-    _operand("v", v, (n, hkv, d), q.dtype)
+    _operand("k", k, (n, hkv, d), q.dtype, family)
+    _operand("v", v, (n, hkv, d), q.dtype, family)
     if k_cache.ndim != 4:
         axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
         raise RopeValueError(
@@ -246,9 +298,9 @@ def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout):
             raise RopeTypeError(
                 f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
             )
-        _operand(name, cache, k_cache.shape, cache.dtype, written=True)
+        _operand(name, cache, k_cache.shape, cache.dtype, family, written=True)
     if out is not None:
-        _operand("out", out, q.shape, q.dtype, written=True)
+        _operand("out", out, q.shape, q.dtype, family, written=True)
     return n, hq, hkv, block
 
 
@@ -277,6 +329,9 @@ def rotate_into_cache(
 
     ``k_cache[slot] = R(pos) norm(k)``, ``v_cache[slot] = v`` and the result is
     ``R(pos) norm(q)``, for every head of every token; norm is the identity without weights.
+    NumPy arrays and torch CPU tensors (under torch.compile, an operator that writes the
+    caches and out; not recorded by autograd) on the CPU; CuPy arrays on their device, slots
+    and positions checked on the host.
 
     Parameters
     ----------
@@ -337,17 +392,22 @@ def rotate_into_cache(
     )
     d = spec.head_dim
     arrays = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
-    for name, a in (arrays | ({} if out is None else {"out": out})).items():
-        if _arrays.family(a) != NUMPY:
-            raise RopeTypeError(
-                f"{name} must be a NumPy array (rotate_into_cache runs on the CPU), got "
-                f"{_arrays.describe(a)}"
-            )
-    n, hq, hkv, block = _layout(d, q, k, v, k_cache, v_cache, out, cache_layout)
+    given = arrays | ({} if out is None else {"out": out})
+    if any(_arrays.family(a) == FOREIGN and hasattr(a, "__dlpack__") for a in given.values()):
+        from . import _kv_frameworks  # torch tensors (and JAX arrays, which it refuses)
+
+        options = dict(
+            cache_layout=cache_layout, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+            k_scale=k_scale, v_scale=v_scale, seq_len=seq_len,
+        )  # fmt: skip
+        return _kv_frameworks.run(self, (q, k, v, pos, k_cache, v_cache, slots, out), options)
+    family = _family(given)
+    xp = _arrays.namespace(family)
+    n, hq, hkv, block = _layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family)
     if out is None:
-        out = np.empty(q.shape, q.dtype)
-    q_weight = _weights("q_norm", q_norm, d)
-    k_weight = _weights("k_norm", k_norm, d)
+        out = xp.empty(q.shape, q.dtype)
+    q_weight = _weights("q_norm", _on_host(q_norm), d)
+    k_weight = _weights("k_norm", _on_host(k_norm), d)
     try:
         eps = float(norm_eps)
     except (TypeError, ValueError):
@@ -356,19 +416,24 @@ def rotate_into_cache(
         raise RopeValueError(f"norm_eps must be finite and >= 0, got {norm_eps!r}")
     k_multiplier = 1.0 / _scale("k_scale", k_scale, k_cache)
     v_multiplier = 1.0 / _scale("v_scale", v_scale, v_cache)
-    slots = _slots(slots, n, k_cache.shape[0] * block)
-    _overlaps({"q": q, "k": k, "v": v}, {"k_cache": k_cache, "v_cache": v_cache, "out": out})
+    slots = _slots(_on_host(slots), n, k_cache.shape[0] * block)
+    written = {"k_cache": k_cache, "v_cache": v_cache, "out": out}
+    _overlaps({"q": q, "k": k, "v": v}, written, family)
     dtype = _arrays.compute_dtype(q.dtype)
     if n == 0:
-        _resolved(pos, spec.n_axes)  # checked all the same
+        _resolved(_on_host(pos), spec.n_axes)  # checked all the same
         return out
-    cos, sin, rows = _rows(self, pos, n, dtype, seq_len)
+    cos, sin, rows = _rows(self, _on_host(pos), n, dtype, seq_len)
     q_weight = q_weight.astype(dtype, copy=False) if q_weight.size else no_weight(dtype)
     k_weight = k_weight.astype(dtype, copy=False) if k_weight.size else no_weight(dtype)
     # inputs the kernel cannot address as they are go through a copy
-    addressable = [_arrays.addressable(a, NUMPY) for a in (q, k, v)]
+    addressable = [_arrays.addressable(a, family) for a in (q, k, v)]
     q, k, v = (a if fit else a.copy() for a, fit in zip((q, k, v), addressable))
     numbers = np.array((eps, k_multiplier, v_multiplier), dtype)
+    if family == CUPY:
+        _on_device(self, q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block,
+                   cache_layout, q_weight, k_weight, numbers)  # fmt: skip
+        return out
     cpu.launch_fused(
         q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, cache_layout, spec,
         q_weight, k_weight, numbers,

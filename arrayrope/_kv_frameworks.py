@@ -1,10 +1,10 @@
-"""RoPE.rotate_into_cache on torch tensors: plain CPU tensors through views of their memory (the
-NumPy step, the caches written where they are), and what torch traces, compiles or fakes
-through the ``arrayrope::rotate_into_cache`` operators (``_torch_ops``).
+"""RoPE.rotate_into_cache on torch tensors: plain tensors through views of their memory (NumPy's
+on the CPU, CuPy's on a GPU, on torch's current stream: the caches written where they are), and
+what torch traces, compiles or fakes through the ``arrayrope::rotate_into_cache`` operators
+(``_torch_ops``).
 
 The step writes its caches in place, so arrays that cannot be written are refused: JAX's
-(immutable) and read-only views. The kernel runs on the CPU: CUDA tensors are refused by the
-NumPy step, which names them.
+(immutable) and read-only views.
 """
 
 import sys
@@ -36,7 +36,8 @@ def run(rope, arrays, options):
     if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays):
         return _interop.torch_ops().rotate_into_cache(rope._engine.key, arrays, options)
     natives = [_native(name, a) for name, a in zip(NAMES, arrays)]
-    result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
+    with _interop.framework_stream(arrays):  # torch CUDA tensors: on torch's current stream
+        result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
     if out is not None:
         return out
     return _interop.restorer(_framework(q))(result) if hasattr(q, "__dlpack__") else result

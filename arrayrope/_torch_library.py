@@ -20,6 +20,7 @@ import torch
 
 from . import _registry
 from ._errors import RopeTypeError, RopeValueError
+from ._kv_step import EPS
 
 _NAMESPACE = "arrayrope"
 _NUMPY_DTYPES = {
@@ -66,6 +67,10 @@ def _native(t, name="x", written=False):
         import ml_dtypes
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:  # a cache of rotate_into_cache
+        import ml_dtypes
+
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
     return t.numpy()
 
 
@@ -109,6 +114,31 @@ def _check(key, xs):
             )
 
 
+def _check_step(q):
+    """What a fake rotate_into_cache can check: the result's shape and dtype."""
+    if q.ndim != 3:
+        raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise RopeTypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+
+
+def _step(q, k, v, pos, pos_int, pos_float, k_cache, v_cache, slots, out, tail):
+    """RoPE.rotate_into_cache of the RoPE of key ``tail[0]`` on plain views of the tensors,
+    ``out`` the view q's result is written to."""
+    key, layout, q_norm, k_norm, norm_eps, k_scale, v_scale, seq_len = tail
+    rope = _registry.engine_of(key).owner
+    rope.rotate_into_cache(
+        _native(q, "q"), _native(k, "k"), _native(v, "v"), _positions(pos, pos_int, pos_float),
+        _native(k_cache, "k_cache", True), _native(v_cache, "v_cache", True),
+        _native(slots, "slots"), out=out, cache_layout=layout,
+        q_norm=None if q_norm is None else _native(q_norm, "q_norm"),
+        k_norm=None if k_norm is None else _native(k_norm, "k_norm"),
+        norm_eps=EPS if norm_eps is None or norm_eps == EPS else norm_eps, k_scale=k_scale,
+        v_scale=v_scale,
+        seq_len=seq_len,
+    )  # fmt: skip
+
+
 def _new(x):
     """A new contiguous tensor like ``x`` (see :func:`_fresh`)."""
     if x.device.type != "cpu" or isinstance(x, torch._subclasses.FakeTensor) or x.is_meta:
@@ -137,6 +167,14 @@ def _fresh(x):
 # inverse, backend and seq_len.
 _TAIL = "Tensor? pos, SymInt? pos_int, float? pos_float, int key, bool inverse, str backend, " \
     "SymInt? seq_len"  # fmt: skip
+# rotate_into_cache's arguments after q, k and v: positions, the caches, slots, the engine's key
+# and the step's options
+_STEP_OPTIONS = "int key, str cache_layout, Tensor? q_norm, Tensor? k_norm, float? norm_eps, " \
+    "float? k_scale, float? v_scale, SymInt? seq_len"  # fmt: skip
+_STEP_HEAD = "Tensor? pos, SymInt? pos_int, float? pos_float, Tensor(a!) k_cache, " \
+    "Tensor(b!) v_cache, Tensor slots"  # fmt: skip
+_STEP = f"{_STEP_HEAD}, {_STEP_OPTIONS}"
+_STEP_OUT = f"{_STEP_HEAD}, Tensor(c!) out, {_STEP_OPTIONS}"
 _SCHEMAS = {
     "rotate": f"rotate(Tensor x, {_TAIL}) -> Tensor",
     "rotate_": f"rotate_(Tensor(a!) x, {_TAIL}) -> ()",
@@ -145,6 +183,10 @@ _SCHEMAS = {
     "rotate_qk_": f"rotate_qk_(Tensor(a!) q, Tensor(b!) k, {_TAIL}) -> ()",
     "rotate_qk_out": f"rotate_qk_out(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, "
     f"{_TAIL}) -> ()",
+    # RoPE.rotate_into_cache: the caches (and out) written, the rotated q new or in out
+    "rotate_into_cache": f"rotate_into_cache(Tensor q, Tensor k, Tensor v, {_STEP}) -> Tensor",
+    "rotate_into_cache_out": f"rotate_into_cache_out(Tensor q, Tensor k, Tensor v, "
+    f"{_STEP_OUT}) -> ()",
     # rotate and rotate_qk without an autograd kernel, for calls autograd does not record: the
     # registered autograd kernel is Python, and a decode step would pay it on every call.
     "rotate_nograd": f"rotate_nograd(Tensor x, {_TAIL}) -> Tensor",
@@ -184,7 +226,19 @@ def _define():
                       seq_len):  # fmt: skip
         _run(key, (q, k), pos, pos_int, pos_float, inverse, (q_out, k_out), backend, seq_len)
 
+    def rotate_into_cache(q, k, v, pos, pos_int, pos_float, k_cache, v_cache, slots, *tail):
+        out, target = _fresh(q)
+        _step(q, k, v, pos, pos_int, pos_float, k_cache, v_cache, slots, target, tail)
+        return out
+
+    def rotate_into_cache_out(q, k, v, pos, pos_int, pos_float, k_cache, v_cache, slots, out,
+                              *tail):  # fmt: skip
+        _step(q, k, v, pos, pos_int, pos_float, k_cache, v_cache, slots, _native(out, "out"),
+              tail)  # fmt: skip
+
     kernels = {
+        "rotate_into_cache": rotate_into_cache,
+        "rotate_into_cache_out": rotate_into_cache_out,
         "rotate": rotate,
         "rotate_": rotate_,
         "rotate_out": rotate_out,
@@ -219,7 +273,16 @@ def _define():
     def fake_rotate_qk_out(q, k, q_out, k_out, *tail):
         _check(tail[-4], (q, k))
 
+    def fake_rotate_into_cache(q, *rest):
+        _check_step(q)
+        return _new(q)
+
+    def fake_rotate_into_cache_out(q, *rest):
+        _check_step(q)
+
     fakes = {
+        "rotate_into_cache": fake_rotate_into_cache,
+        "rotate_into_cache_out": fake_rotate_into_cache_out,
         "rotate": fake_rotate,
         "rotate_": fake_rotate_,
         "rotate_out": fake_rotate_out,

@@ -215,3 +215,54 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     else:
         ops.rotate_qk_out.default(q, k, q_out, k_out, *tail)
     return q_out, k_out
+
+
+def cache_step_wanted(arrays):
+    """Whether a ``rotate_into_cache`` call on torch tensors (``_kv_frameworks.NAMES``) must go
+    through its operators, as :func:`wanted` says for a rotation."""
+    q, k, v, pos, k_cache, v_cache, slots, out = arrays
+    if wanted(q, pos, out, k):
+        return True
+    return any(_special(a) for a in (v, k_cache, v_cache, slots))
+
+
+def rotate_into_cache(key, arrays, options):
+    """``RoPE.rotate_into_cache``'s contract for torch tensors, through the operators: an
+    inference step, which autograd does not record."""
+    q, k, v, pos, k_cache, v_cache, slots, out = arrays
+    for name, a in zip(("q", "k", "v"), (q, k, v)):
+        if isinstance(a, _Tensor) and a.requires_grad and _grad():
+            raise RopeValueError(
+                f"{name} requires grad, and rotate_into_cache is an inference step that autograd "
+                "does not record: call it under torch.no_grad() or torch.inference_mode()"
+            )
+    tensors = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slots": slots}
+    for name, a in tensors.items():
+        if not isinstance(a, _Tensor):
+            raise RopeTypeError(
+                f"{name} must be a torch tensor where torch traces the call, got {type(a).__name__}"
+            )
+    tensor, as_int, as_float = _split_positions(pos, q)
+    weights = []
+    for name in ("q_norm", "k_norm"):
+        w = options[name]
+        if w is not None and not isinstance(w, _Tensor):
+            raise RopeTypeError(f"{name} must be a torch tensor or None, got {type(w).__name__}")
+        weights.append(w)
+    numbers = []
+    for name in ("norm_eps", "k_scale", "v_scale"):
+        value = options[name]
+        if value is not None and not isinstance(value, (int, float)):
+            raise RopeTypeError(f"{name} must be a number, got {type(value).__name__}")
+        numbers.append(None if value is None else float(value))
+    layout = options["cache_layout"]
+    if not isinstance(layout, str):
+        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {layout!r}")
+    tail = (key, layout, *weights, *numbers, options["seq_len"])
+    step = (q, k, v, tensor, as_int, as_float, k_cache, v_cache, slots)
+    if out is None:
+        return ops.rotate_into_cache.default(*step, *tail)
+    if not isinstance(out, _Tensor):
+        raise RopeTypeError(f"out must be a torch tensor like q, got {type(out).__name__}")
+    ops.rotate_into_cache_out.default(*step, out, *tail)
+    return out

@@ -465,7 +465,7 @@ class _RawModule:
         self.streams = []  # the stream each launch ran on
 
     def get_function(self, name):
-        if name not in host_cuda.KERNEL_NAMES:
+        if name not in host_cuda.KERNEL_NAMES and name not in host_cuda.FUSED_NAMES:
             raise KeyError(name)
         return _Function(self, name)
 

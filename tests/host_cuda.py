@@ -14,7 +14,7 @@ import subprocess
 
 import numpy as np
 
-from arrayrope.backends.cuda.cupy import KERNEL_NAMES, SOURCE
+from arrayrope.backends.cuda.cupy import FUSED_NAMES, FUSED_VARIANTS, KERNEL_NAMES, SOURCE  # noqa: F401 - FUSED_NAMES: fake_cupy
 
 GXX = shutil.which("g++")
 
@@ -60,6 +60,28 @@ extern "C" void host_##NAME(                                                    
 }
 """
 
+HOST_RUN_FUSED = r"""
+#define HOST_RUN_FUSED(NAME, T, K)                                                           \
+extern "C" void host_##NAME(                                                                 \
+    const T* q, T* out, const T* k, const T* v, K* k_cache, K* v_cache, const i64* g,        \
+    const i64* slots, const i64* rows, const Elem<T>::compute* cos_table,                    \
+    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight,                     \
+    const Elem<T>::compute* k_weight, int n_weight, Elem<T>::compute eps,                    \
+    Elem<T>::compute k_multiplier, Elem<T>::compute v_multiplier, int rotary_dim, int d,     \
+    int hq, int hkv, i64 block, i64 n, unsigned grid, unsigned lanes, unsigned rows_per_block)\
+{                                                                                            \
+    blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
+    for (unsigned b = 0; b < grid; ++b)                                                      \
+        for (unsigned ty = 0; ty < rows_per_block; ++ty)                                     \
+            for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
+                blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
+                NAME(q, out, k, v, k_cache, v_cache, g, slots, rows, cos_table, sin_table,   \
+                     q_weight, k_weight, n_weight, eps, k_multiplier, v_multiplier,          \
+                     rotary_dim, d, hq, hkv, block, n);                                      \
+            }                                                                                \
+}
+"""
+
 _STORAGE = {"float32": "float", "float64": "double", "float16": "f16_bits", "bfloat16": "bf16_bits"}
 
 # The C type of each scalar argument, by its NumPy type (as CuPy maps them)
@@ -79,7 +101,10 @@ def compile_host_kernels(folder):
     runners = "".join(
         f"HOST_RUN({name}, {_STORAGE[name.split('_')[1]]})\n" for name in KERNEL_NAMES
     )
-    source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + runners)
+    runners += "".join(
+        f"HOST_RUN_FUSED({name}, {ctype}, {cache})\n" for name, ctype, cache, _ in FUSED_VARIANTS
+    )
+    source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + HOST_RUN_FUSED + runners)
     library = folder / "rope_host.so"
     command = [GXX, "-std=c++14", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", str(source)]
     command += ["-fsanitize=alignment", "-fno-sanitize-recover=alignment"]

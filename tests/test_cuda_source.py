@@ -27,9 +27,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrayrope as ar
-from arrayrope.backends.cuda.cupy import KERNEL_NAMES, OPTIONS, SOURCE
+from arrayrope.backends.cuda.cupy import FUSED_NAMES, KERNEL_NAMES, OPTIONS, SOURCE
 from arrayrope.scaling import YaRN
 
+ENTRIES = set(KERNEL_NAMES) | set(FUSED_NAMES)  # the rotation's and the fused step's
 NVCC = shutil.which("nvcc")
 
 
@@ -60,7 +61,7 @@ def test_compiles_without_warnings(tmp_path, arch):
     result = _nvcc(arch, "--ptx", source, ptx)
     assert result.returncode == 0, result.stderr
     entries = set(re.findall(r"\.visible \.entry (\w+)", ptx.read_text()))
-    assert entries == set(KERNEL_NAMES)
+    assert entries == ENTRIES
     # And to machine code, which checks register and resource limits too (the same on both
     # architectures: one build of it is enough)
     if arch == "sm_90":
@@ -94,7 +95,7 @@ def test_compiles_with_nvrtc_as_cupy_does(arch):
     _, size = nvrtc.nvrtcGetPTXSize(program)
     ptx = b" " * size
     nvrtc.nvrtcGetPTX(program, ptx)
-    assert set(re.findall(r"\.visible \.entry (\w+)", ptx.decode())) == set(KERNEL_NAMES)
+    assert set(re.findall(r"\.visible \.entry (\w+)", ptx.decode())) == ENTRIES
 
 
 def test_entry_points_per_dtype_and_style():
@@ -107,6 +108,11 @@ def test_entry_points_per_dtype_and_style():
     assert not {"rope_float32_interleaved_v4", "rope_float64_half_v4"} & names
     for name in KERNEL_NAMES:
         assert f"ROPE_ENTRY({name}," in SOURCE
+    for dtype in ("float32", "float64", "float16", "bfloat16"):  # the fused step's
+        for style in ("interleaved", "half"):
+            assert {f"fused_{dtype}_{style}", f"fused_{dtype}_{style}_fp8"} <= set(FUSED_NAMES)
+    for name in FUSED_NAMES:
+        assert f"FUSED_ENTRY({name}," in SOURCE
 
 
 def _host_place(key, host):

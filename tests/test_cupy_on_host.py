@@ -630,3 +630,74 @@ def test_transformers_angles_read_device_positions_on_the_host(cp, rng):
     got = rope.rotate(cp.asarray(x), cp.asarray(values)).get()
     np.testing.assert_array_equal(bits(got), bits(rope.rotate(x, values)))
     assert not np.isnan(got).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(
+    "rope_kind", ["half", "interleaved, partial, YaRN", "sectioned", "norm and float8"]
+)
+def test_rotate_into_cache_on_the_device_is_the_cpu_step(cp, rng, dtype, layout, rope_kind):
+    # The fused step's CUDA source against the NumPy step on the same values, bit for bit:
+    # results and caches, positions in the table and past it, padding, in place and new
+    import ml_dtypes
+
+    n, hq, hkv, d = 7, 3, 2, 32
+    rope = {
+        "half": ar.RoPE(d, style="half"),
+        "interleaved, partial, YaRN": ar.RoPE(d, rotary_dim=12, scaling=YaRN(4.0, 64)),
+        "sectioned": ar.RoPE.sectioned(d, (4, 6, 6)),
+        "norm and float8": ar.RoPE(d, style="half", rotary_dim=24),
+    }[rope_kind]
+    options = {}
+    cache_dtype = dtype
+    if rope_kind == "norm and float8":
+        options = dict(q_norm=rng.uniform(0.5, 1.5, d), k_norm=rng.uniform(0.5, 1.5, d),
+                       norm_eps=1e-5, k_scale=0.5, v_scale=2.0)  # fmt: skip
+        cache_dtype = ml_dtypes.float8_e4m3fn
+    qkv = random_array(rng, (n, hq + 2 * hkv, d), dtype)
+    shape = (4, 4, hkv, d) if layout == "NHD" else (4, hkv, 4, d)
+    caches = [random_array(rng, shape, np.float32).astype(cache_dtype) for _ in "kv"]
+    axes = () if rope.n_axes == 1 else (rope.n_axes,)
+    pos = rng.integers(0, 2**31 - 1, (n, *axes))
+    pos[:3] = rng.integers(0, 100, (3, *axes))  # in the table
+    slots = rng.permutation(16)[:n]
+    slots[1] = -1
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    host_caches = [c.copy() for c in caches]
+    want = rope.rotate_into_cache(q, k, v, pos, *host_caches, slots, cache_layout=layout,
+                                  **options)  # fmt: skip
+    device_qkv, device_caches = cp.asarray(qkv), [cp.asarray(c) for c in caches]
+    dq, dk, dv = device_qkv[:, :hq], device_qkv[:, hq : hq + hkv], device_qkv[:, hq + hkv :]
+    device_options = {
+        name: cp.asarray(value) if name.endswith("norm") else value
+        for name, value in options.items()
+    }
+    for where, device_pos in (("new", pos), ("in place", cp.asarray(pos))):
+        out = dq if where == "in place" else None
+        got = rope.rotate_into_cache(dq, dk, dv, device_pos, *device_caches, cp.asarray(slots),
+                                     out=out, cache_layout=layout, **device_options)  # fmt: skip
+        assert isinstance(got, cp.ndarray) and (out is None or got is out)
+        assert np.array_equal(bits(got.get()), bits(want))
+        for device_cache, host_cache in zip(device_caches, host_caches):
+            assert np.array_equal(bits(device_cache.get()), bits(host_cache))
+    assert [name for name in _launches(cp) if name.startswith("fused")]
+
+
+def test_rotate_into_cache_on_the_device_refuses_before_writing(cp, rng):
+    rope = ar.RoPE(16)
+    q, k, v = (cp.asarray(random_array(rng, (3, h, 16), np.float32)) for h in (2, 1, 1))
+    k_cache, v_cache = (cp.asarray(np.zeros((2, 4, 1, 16), np.float32)) for _ in "kv")
+    pos = np.arange(3)
+    for slots, message in (([0, 9, 1], "below"), ([2, 2, 1], "distinct")):
+        with pytest.raises(ar.RopeValueError, match=f"slots must be {message}"):
+            rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, cp.asarray(np.array(slots)))
+    with pytest.raises(ar.RopeTypeError, match="k_cache must be a NumPy array like q"):
+        rope.rotate_into_cache(
+            q, k, v, pos, np.zeros((2, 4, 1, 16), np.float32), v_cache, [0, 1, 2]
+        )
+    inside = k_cache.reshape(-1)[:96].reshape(3, 2, 16)  # out in the key cache's memory
+    with pytest.raises(ar.RopeValueError, match="k_cache and out share memory"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, [0, 1, 2], out=inside)
+    assert not k_cache.get().any() and not v_cache.get().any()
+    assert not [name for name in _launches(cp) if name.startswith("fused")]

@@ -295,3 +295,33 @@ def test_apply_cos_sin_matches_the_host(backend, dtype):
                            rotary_dim=64, head_axis=1, backend=backend)  # fmt: skip
     # the CuPy kernels give the host's bits; numba.cuda may contract into FMAs
     assert_matches(_host(got, dtype), want.astype(np.float64), x)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_rotate_into_cache_is_the_cpu_step(dtype, layout):
+    # the fused step's kernel against the NumPy step's bits: q's result and both caches, with
+    # a norm, positions in the table and past it, a padding token, in place
+    rng = np.random.default_rng()
+    n, hq, hkv, d = 9, 4, 2, 64
+    rope = ar.RoPE(d, style="half", rotary_dim=48)
+    qkv = rng.standard_normal((n, hq + 2 * hkv, d)).astype(dtype)
+    shape = (4, 4, hkv, d) if layout == "NHD" else (4, hkv, 4, d)
+    caches = [rng.standard_normal(shape).astype(dtype) for _ in "kv"]
+    pos = np.concatenate([rng.integers(0, 100, 4), rng.integers(0, 2**31 - 1, n - 4)])
+    slots = rng.permutation(16)[:n]
+    slots[3] = -1
+    weight = rng.uniform(0.5, 1.5, d)
+    options = dict(cache_layout=layout, q_norm=weight, k_norm=weight[::-1].copy())
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    want = rope.rotate_into_cache(q, k, v, pos, *caches, slots, **options)
+    device_qkv = _device(qkv)
+    device_caches = [_device(c) for c in caches]
+    dq = device_qkv[:, :hq]
+    dk, dv = device_qkv[:, hq : hq + hkv], device_qkv[:, hq + hkv :]
+    got = rope.rotate_into_cache(dq, dk, dv, cupy.asarray(pos), *device_caches, slots, out=dq,
+                                 **options)  # fmt: skip
+    assert got is dq
+    assert np.array_equal(_host(got, dtype).view(np.uint8), want.view(np.uint8))
+    for device_cache, host_cache in zip(device_caches, caches):
+        assert np.array_equal(_host(device_cache, dtype).view(np.uint8), host_cache.view(np.uint8))

@@ -442,3 +442,131 @@ def test_small_calls_under_compile_refuse_positions_outside_the_range():
     for bad in (-1, 2**31):  # an int: through the operator
         with pytest.raises(RopeValueError, match="pos must be"):
             compiled(x, bad)
+
+
+# RoPE.rotate_into_cache on torch tensors: plain CPU tensors through views of their memory,
+# compiled and fake ones through the arrayrope::rotate_into_cache operators. The NumPy step on
+# the same values (tests/test_kv_cache.py checks it against rotate_qk and a scatter) judges
+# every bit, results and caches alike.
+STEP_ROPE = ar.RoPE(32, style="half", rotary_dim=16)
+
+
+def _cache_step_inputs(dtype, seed, cache_dtype=None):
+    """q, k, v (views of one projection), positions, the caches and slots (one padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    n, hq, hkv, d = 6, 4, 2, 32
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=generator).to(dtype)
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    caches = torch.randn(2, 4, 8, hkv, d, generator=generator).to(cache_dtype or dtype)
+    pos = torch.randint(0, 2**31 - 1, (n,), generator=generator)
+    pos[:3] = torch.randint(0, 1000, (3,), generator=generator)  # in the table and past it
+    slots = torch.randperm(32, generator=generator)[:n]
+    slots[2] = -1
+    return q, k, v, pos, caches[0], caches[1], slots
+
+
+_INT_OF_SIZE = {1: (np.uint8, "uint8"), 2: (np.int16, "int16"), 4: (np.int32, "int32"),
+                8: (np.int64, "int64")}  # fmt: skip
+
+
+def _bits(t):
+    """A tensor's bits, as integers of its element size."""
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()][1]))
+
+
+def _plain(t):
+    """A NumPy copy of a CPU tensor (bfloat16 and float8 as ml_dtypes' types)."""
+    import ml_dtypes
+
+    kinds = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn}
+    if t.dtype in kinds:
+        return _bits(t).numpy().copy().view(kinds[t.dtype])
+    return t.numpy().copy()
+
+
+def _back(a, like):
+    return torch.from_numpy(a.view(_INT_OF_SIZE[a.itemsize][0])).view(like.dtype)
+
+
+def _numpy_cache_step(rope, q, k, v, pos, k_cache, v_cache, slots, **options):
+    """The NumPy step on copies: (q's result, k_cache, v_cache) as torch tensors."""
+    caches = _plain(k_cache), _plain(v_cache)
+    got = rope.rotate_into_cache(_plain(q), _plain(k), _plain(v), pos.numpy(), *caches,
+                                 slots.numpy(), **options)  # fmt: skip
+    return _back(got, q), _back(caches[0], k_cache), _back(caches[1], v_cache)
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("where", ["new", "out", "in place"])
+def test_rotate_into_cache_on_cpu_tensors_is_the_numpy_step(dtype, where):
+    q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(dtype, 1)
+    want = _numpy_cache_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots)
+    out = {"new": None, "out": torch.full_like(q, float("nan")), "in place": q}[where]
+    got = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
+    assert type(got) is torch.Tensor and (out is None or got is out)
+    for a, b in zip((got, k_cache, v_cache), want):
+        assert _same_bits(a, b)
+
+
+def test_rotate_into_cache_on_cpu_tensors_with_norm_and_float8_caches():
+    q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(
+        torch.bfloat16, 2, torch.float8_e4m3fn
+    )
+    options = dict(q_norm=torch.linspace(0.5, 1.5, 32), k_norm=torch.linspace(1.5, 0.5, 32),
+                   k_scale=0.5, v_scale=2.0)  # fmt: skip
+    numpy_options = {
+        **options,
+        "q_norm": options["q_norm"].numpy(),
+        "k_norm": options["k_norm"].numpy(),
+    }
+    want = _numpy_cache_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots, **numpy_options)
+    got = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **options)
+    for a, b in zip((got, k_cache, v_cache), want):
+        assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_into_cache_under_compile_writes_the_caches(dtype):
+    # fullgraph: the operators, whose schemas say the caches (and out) are written, so the
+    # compiled step's caches hold the eager step's bits
+    dynamo.reset()
+
+    def step(q, k, v, pos, k_cache, v_cache, slots, out):
+        rotated = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+        STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
+        return rotated + 0
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in (3, 4):  # the second call runs the compiled code again
+        q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(dtype, seed)
+        want = _numpy_cache_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots)
+        out = torch.full_like(q, float("nan"))
+        got = compiled(q, k, v, pos, k_cache, v_cache, slots, out)
+        for a, b in zip((got, out, k_cache, v_cache), (want[0],) + want):
+            assert _same_bits(a, b)
+
+
+def test_rotate_into_cache_on_fake_tensors_and_its_refusals():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(torch.float32, 5)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v, pos, k_cache, v_cache, slots)]
+        got = STEP_ROPE.rotate_into_cache(*fakes)
+        assert got.shape == q.shape and got.dtype == q.dtype
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RopeValueError, match="q requires grad.*inference step"):
+        STEP_ROPE.rotate_into_cache(q.clone().requires_grad_(), k, v, pos, k_cache, v_cache, slots)
+    negated = torch.zeros(k_cache.shape, dtype=torch.complex64).conj().imag  # a lazy negation
+    with pytest.raises(RopeValueError, match="k_cache has torch's negative"):
+        STEP_ROPE.rotate_into_cache(q, k, v, pos, negated, v_cache, slots)
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(RopeTypeError, match="JAX arrays cannot be written"):
+        STEP_ROPE.rotate_into_cache(q, k, v, pos, jnp.asarray(k_cache.numpy()), v_cache, slots)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -55,13 +55,28 @@ def _variants():
                     yield f"{name}_v{p}", ctype, style == "half", p, True
 
 
+def _fused_variants():
+    """(name, storage type, cache storage type, half style) of the fused step's entry points:
+    ``fused_<dtype>_<style>``, and ``..._fp8`` for float8 e4m3fn caches."""
+    for dtype, (ctype, _) in _STORAGE.items():
+        for style in ("interleaved", "half"):
+            yield f"fused_{dtype}_{style}", ctype, ctype, style == "half"
+            yield f"fused_{dtype}_{style}_fp8", ctype, "e4m3_bits", style == "half"
+
+
 KERNEL_NAMES = tuple(v[0] for v in _variants())
+FUSED_VARIANTS = tuple(_fused_variants())
+FUSED_NAMES = tuple(v[0] for v in FUSED_VARIANTS)
 SOURCE = (
     f"#define ROWS_PER_WARP {ROWS_PER_WARP}\n"
     + _KERNELS
     + "".join(
         f"ROPE_ENTRY({name}, {ctype}, {str(half).lower()}, {p}, {str(vector).lower()})\n"
         for name, ctype, half, p, vector in _variants()
+    )
+    + "".join(
+        f"FUSED_ENTRY({name}, {ctype}, {cache}, {str(half).lower()})\n"
+        for name, ctype, cache, half in FUSED_VARIANTS
     )
 )
 
@@ -211,5 +226,53 @@ def launch(spec, operands, cos, sin, inverse, freqs=None, capture=False):
             # scalars)
             hold(cupy, [a for a in (args[2], args[5]) if kept(a)] + list(args[6:]))
         _function(cupy, device, name)(grid=grid, block=block, args=args)
+    global last_entry
+    last_entry = name
+
+
+def fused_plan(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec,
+               q_weight, k_weight, numbers, place):  # fmt: skip
+    """What the fused step's launch takes, host side: (kernel name, grid, block, args), args
+    in the kernel's order (``FUSED_ENTRY`` in rope.cu): the six operands, the geometry g (their
+    element strides, through ``place`` as for :func:`launch_plan`), slots, rows, the tables,
+    the weights (empty: no norm), eps and the caches' multipliers (``numbers``), then
+    rotary_dim, d, hq, hkv, the block size and the token count."""
+    n, hq, d = q.shape
+    cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
+    strides = []
+    for a, axes in ((q, (0, 1)), (out, (0, 1)), (k, (0, 1)), (v, (0, 1)),
+                    (k_cache, cache_axes), (v_cache, cache_axes)):  # fmt: skip
+        strides += [a.strides[i] // a.itemsize for i in axes]
+    g = np.array(strides, np.int64)
+    compute = np.float64 if q.dtype == np.float64 else np.float32
+    fp8 = "_fp8" if k_cache.dtype != q.dtype else ""
+    name = f"fused_{q.dtype.name}_{spec.style}{fp8}"
+    args = (
+        q, out, k, v, k_cache, v_cache, place(("g", g.tobytes()), g), slots, rows, cos, sin,
+        q_weight, k_weight, np.int32(q_weight.shape[0]), compute(numbers[0]),
+        compute(numbers[1]), compute(numbers[2]), np.int32(spec.rotary_dim), np.int32(d),
+        np.int32(hq), np.int32(k.shape[1]), np.int64(block), np.int64(n),
+    )  # fmt: skip
+    grid = ((n * (hq + k.shape[1]) + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    return name, grid, (LANES, WARPS_PER_BLOCK), args
+
+
+def launch_fused(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec,
+                 q_weight, k_weight, numbers):  # fmt: skip
+    """RoPE.rotate_into_cache's step on CuPy arrays of one device, in one launch on the current
+    stream; the caller has checked every argument (see _kv_cache). A warp per head's row: q's
+    rows into out, k's into the key cache, each carrying v's row into the value cache."""
+    cupy = require_cupy()
+    with q.device:
+        device = q.device.id
+
+        def place(key, host):
+            return on_device(cupy, device, key, host)
+
+        name, grid, block_shape, args = fused_plan(
+            q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec,
+            q_weight, k_weight, numbers, place,
+        )  # fmt: skip
+        _function(cupy, device, name)(grid=grid, block=block_shape, args=args)
     global last_entry
     last_entry = name

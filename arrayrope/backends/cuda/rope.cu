@@ -312,3 +312,134 @@ extern "C" __global__ void NAME(                                                
                                         n2);                                                 \
 }
 
+
+// The fused inference step (RoPE.rotate_into_cache): the CPU kernel's arithmetic
+// (backends/cpu/_fused.py), element by element. float8 e4m3fn cache storage, as its bits:
+// multiplied, rounded half to even from float32 and saturated at +-448, as to_e4m3 there.
+struct e4m3_bits { unsigned char v; };
+
+__device__ __forceinline__ unsigned char to_e4m3(float f) {
+    const unsigned int bits = __float_as_uint(f);
+    const unsigned char sign = (unsigned char)((bits >> 24) & 0x80u);
+    const unsigned int mag = bits & 0x7fffffffu;
+    if (mag > 0x7f800000u) return (unsigned char)(0x7fu | sign);
+    if (mag < 0x3c800000u) {  // below 2**-6: a multiple of 2**-9, rounded through 2**23
+        const float scaled = __uint_as_float(mag) * 512.0f;
+        return (unsigned char)((unsigned int)((scaled + 8388608.0f) - 8388608.0f) | sign);
+    }
+    const unsigned int odd = (mag >> 20) & 1u;
+    const unsigned int rounded = (mag + 0x7ffffu + odd) >> 20;
+    const unsigned int rebiased = rounded - ((127u - 7u) << 3);
+    return (unsigned char)((rebiased < 0x7eu ? rebiased : 0x7eu) | sign);
+}
+
+// A cache element: the storage type's own store, or float8 of the value times the multiplier
+template <typename K> struct CacheStore {
+    template <typename C>
+    static __device__ __forceinline__ void put(K* p, C value, C) { Elem<K>::store(p, value); }
+};
+template <> struct CacheStore<e4m3_bits> {
+    template <typename C>
+    static __device__ __forceinline__ void put(e4m3_bits* p, C value, C multiplier) {
+        p->v = to_e4m3((float)(value * multiplier));
+    }
+};
+
+// The square root in the compute type (float's own, not double's rounded)
+__device__ __forceinline__ float root(float v) { return sqrtf(v); }
+__device__ __forceinline__ double root(double v) { return sqrt(v); }
+
+// One head's row: x (normalized where weight is given: n_weight = d) turned by table row
+// (c, s) into o, the tail copied (normalized). The inverse RMS is summed by each lane over
+// the whole row in order, as the CPU sums it, so every lane holds the CPU's value.
+template <typename T, typename O, bool HALF_STYLE>
+__device__ __forceinline__ void fused_row(
+    const T* x, O* o, const typename Elem<T>::compute* c, const typename Elem<T>::compute* s,
+    const typename Elem<T>::compute* weight, int n_weight, typename Elem<T>::compute eps,
+    typename Elem<T>::compute multiplier, int rotary_dim, int d)
+{
+    typedef typename Elem<T>::compute C;
+    C factor = (C)1;
+    if (n_weight) {
+        C total = (C)0;
+        for (int j = 0; j < d; ++j) {
+            const C value = Elem<T>::load(x + j);
+            total += value * value;
+        }
+        factor = (C)1 / root(total / (C)d + eps);
+    }
+    const int half = rotary_dim / 2;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const int ia = HALF_STYLE ? j : 2 * j, ib = HALF_STYLE ? j + half : 2 * j + 1;
+        C a = Elem<T>::load(x + ia), b = Elem<T>::load(x + ib);
+        if (n_weight) {
+            a = a * factor * weight[ia];
+            b = b * factor * weight[ib];
+        }
+        CacheStore<O>::put(o + ia, a * c[j] - b * s[j], multiplier);
+        CacheStore<O>::put(o + ib, b * c[j] + a * s[j], multiplier);
+    }
+    for (int j = rotary_dim + threadIdx.x; j < d; j += blockDim.x) {
+        C value = Elem<T>::load(x + j);
+        if (n_weight) value = value * factor * weight[j];
+        CacheStore<O>::put(o + j, value, multiplier);
+    }
+}
+
+// g: int64 element strides from element 0: q (token, head), out (token, head), k, v (token,
+// head), k_cache and v_cache (block, offset in block, head). Row r of the grid is token
+// r / (hq + hkv) and head r % (hq + hkv): q's heads first, then k's, each of which carries v's
+// row of the same head into the value cache. A token whose slot is negative (padding) writes
+// no cache row. Its table row is rows[token] of cos and sin (half entries per row).
+template <typename T, typename K, bool HALF_STYLE>
+__device__ __forceinline__ void fused_step(
+    const T* q, T* out, const T* k, const T* v, K* k_cache, K* v_cache,
+    const i64* __restrict__ g, const i64* __restrict__ slots, const i64* __restrict__ rows,
+    const typename Elem<T>::compute* __restrict__ cos_table,
+    const typename Elem<T>::compute* __restrict__ sin_table,
+    const typename Elem<T>::compute* __restrict__ q_weight,
+    const typename Elem<T>::compute* __restrict__ k_weight, int n_weight,
+    typename Elem<T>::compute eps, typename Elem<T>::compute k_multiplier,
+    typename Elem<T>::compute v_multiplier, int rotary_dim, int d, int hq, int hkv,
+    i64 block, i64 n)
+{
+    typedef typename Elem<T>::compute C;
+    const i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (r >= n * (hq + hkv)) return;
+    const i64 t = r / (hq + hkv);
+    const int h = (int)(r % (hq + hkv));
+    const int half = rotary_dim / 2;
+    const C* c = cos_table + rows[t] * half;
+    const C* s = sin_table + rows[t] * half;
+    if (h < hq) {
+        fused_row<T, T, HALF_STYLE>(q + t * g[0] + h * g[1], out + t * g[2] + h * g[3], c, s,
+                                    q_weight, n_weight, eps, (C)1, rotary_dim, d);
+        return;
+    }
+    const i64 slot = slots[t];
+    if (slot < 0) return;
+    const int head = h - hq;
+    const i64 page = slot / block, offset = slot % block;
+    fused_row<T, K, HALF_STYLE>(k + t * g[4] + head * g[5],
+                                k_cache + page * g[8] + offset * g[9] + head * g[10], c, s,
+                                k_weight, n_weight, eps, k_multiplier, rotary_dim, d);
+    const T* vx = v + t * g[6] + head * g[7];
+    K* vo = v_cache + page * g[11] + offset * g[12] + head * g[13];
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        CacheStore<K>::put(vo + j, Elem<T>::load(vx + j), v_multiplier);
+}
+
+#define FUSED_ENTRY(NAME, T, K, HALF_STYLE)                                                 \
+extern "C" __global__ void NAME(                                                            \
+    const T* q, T* out, const T* k, const T* v, K* k_cache, K* v_cache, const i64* g,       \
+    const i64* slots, const i64* rows, const Elem<T>::compute* cos_table,                   \
+    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight,                    \
+    const Elem<T>::compute* k_weight, int n_weight, Elem<T>::compute eps,                   \
+    Elem<T>::compute k_multiplier, Elem<T>::compute v_multiplier, int rotary_dim, int d,    \
+    int hq, int hkv, i64 block, i64 n)                                                      \
+{                                                                                           \
+    fused_step<T, K, HALF_STYLE>(q, out, k, v, k_cache, v_cache, g, slots, rows, cos_table, \
+                                 sin_table, q_weight, k_weight, n_weight, eps,              \
+                                 k_multiplier, v_multiplier, rotary_dim, d, hq, hkv, block, \
+                                 n);                                                        \
+}
