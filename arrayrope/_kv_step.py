@@ -60,9 +60,10 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
     settings, threaded, dtype, bits = found
-    tables = rope._engine.freq_set(None).tables.existing(None, dtype)
-    if tables is None:
-        return None
+    freqs = rope._engine.freq_set(None).tables
+    tables = freqs.existing(None, dtype)
+    if tables is None:  # a loop that starts past the cache: the cache's first rows, once
+        tables = freqs.cached(np, None, dtype, 0)
     from .backends.cpu import _fused
 
     if out is None:
@@ -75,7 +76,17 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
         *arrays, slots, pos, tables[0], tables[1], weight, weight, _plain_numbers(dtype),
         settings,
     )  # fmt: skip
-    return None if _fused.run(args, q.shape[0], threaded) else out
+    status = _fused.run(args, q.shape[0], threaded)
+    if status == _fused.PAST_THE_TABLE:
+        # positions past the cache (a long context): each token's row, made from the level
+        # tables for the call as the general way makes it, then read as a table of the tokens
+        made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
+        if made is None:  # a position outside [0, 2**31): the general way names it
+            return None
+        rows = np.arange(q.shape[0], dtype=np.int64)
+        args = args[:7] + (rows, made[0], made[1]) + args[10:]
+        status = _fused.run(args, q.shape[0], threaded)
+    return None if status else out
 
 
 def remember(key, spec, arrays, block, layout, cos, sin):

@@ -14,7 +14,8 @@ q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches a
   its size: the bytes the fused step reads and writes once each.
 
 Prefill: 2048 tokens at positions 100..2147 into consecutive slots; decode: 32 tokens at mixed
-positions below 30,000, into slots scattered over a 4096-slot cache. ``bench/bench.py`` prints
+positions below 30,000, into slots scattered over a 4096-slot cache, and the same 10**6 further
+on (past the cache of cos/sin rows: each token's row made for the call). ``bench/bench.py`` prints
 the same rows.
 """
 
@@ -31,8 +32,9 @@ sys.path.insert(0, HERE)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 
-def _case(n, dtype, decode):
-    """The arrays of one step and its three callables: unfused, fused, copy."""
+def _case(n, dtype, decode, first=0):
+    """The arrays of one step and its three callables: unfused, fused, copy. ``first``: added
+    to every position (past the cache of cos/sin rows at 10**6)."""
     from numba import njit, prange
 
     import arrayrope as ar
@@ -52,7 +54,7 @@ def _case(n, dtype, decode):
     k_cache = np.ones((blocks, BLOCK, HKV, D), dtype)  # touched: no page faults in the timing
     v_cache = np.ones_like(k_cache)
     if decode:
-        pos = rng.integers(0, 30_000, n)
+        pos = rng.integers(0, 30_000, n) + first
         slots = rng.permutation(blocks * BLOCK)[:n]
     else:
         pos = np.arange(n) + 100
@@ -89,9 +91,10 @@ def rows(rounds):
     from bench import best_per_call
 
     found = []
-    for step, n, calls in (("prefill", 2048, 1), ("decode", 32, 200)):
+    steps = (("prefill", 2048, 1, 0), ("decode", 32, 200, 0), ("decode from 10**6", 32, 200, 10**6))
+    for step, n, calls, first in steps:
         for dtype in (np.float32, ml_dtypes.bfloat16):
-            best = best_per_call(_case(n, dtype, step == "decode"), rounds, calls)
+            best = best_per_call(_case(n, dtype, step != "prefill", first), rounds, calls)
             ceiling = min(best["copy"], best["threaded copy"])
             found.append(
                 (
@@ -107,12 +110,12 @@ def rows(rounds):
 
 def report(found):
     lines = [
-        f"  {'step':8s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
+        f"  {'step':18s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
         f"{'copy us':>9s} {'of copy':>8s}"
     ]
     for step, dtype, fused, unfused, copy in found:
         lines.append(
-            f"  {step:8s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
+            f"  {step:18s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
             f"{copy:9.1f} {copy / fused:8.2f}"
         )
     return "\n".join(lines)

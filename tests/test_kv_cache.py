@@ -413,12 +413,15 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
     tokens=st.sampled_from(["fused", "reversed", "own arrays"]),
     where=st.sampled_from(["new", "out", "strided out", "in place"]),
     every_other_block=st.booleans(),
+    far=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_a_decode_loop_over_any_layout(dtype, layout, tokens, where, every_other_block, seed):
+def test_a_decode_loop_over_any_layout(dtype, layout, tokens, where, every_other_block, far,
+                                       seed):  # fmt: skip
     # After the first step a loop's layouts are known, and the compiled launch makes the flat
-    # views of arrays of any strides (descending, every other block of a cache): each step has
-    # rotate_qk's and a scatter's bits, and nothing outside the arrays is written
+    # views of arrays of any strides (descending, every other block of a cache), at positions
+    # in the table or past it: each step has rotate_qk's and a scatter's bits, and nothing
+    # outside the arrays is written
     from arrayrope import _kv_step
 
     rng = np.random.default_rng(seed)
@@ -432,7 +435,7 @@ def test_a_decode_loop_over_any_layout(dtype, layout, tokens, where, every_other
         q, k, v = _qkv(rng, n, hq, hkv, d, dtype, tokens != "own arrays")
         if tokens == "reversed":
             q, k, v = q[::-1], k[::-1], v[::-1]
-        pos = rng.integers(0, 1000, n)
+        pos = rng.integers(0, 2**31 - 1 if far else 1000, n)  # far: rows made for the call
         slots = rng.permutation(blocks * block)[:n].astype(np.int64)
         slots[rng.random(n) < 0.2] = -1
         want_q, want_k = rope.rotate_qk(q, k, pos[:, None])

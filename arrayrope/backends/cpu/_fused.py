@@ -287,6 +287,10 @@ def _strides(a, base, first, second, third):
     )
 
 
+# fused_step's status where a position is outside the table (or negative); see its docstring
+PAST_THE_TABLE = 2
+
+
 @njit
 def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
     """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
