@@ -41,8 +41,8 @@ def _operand(name, a, shape, dtype, family, written=False):
         raise RopeValueError(f"{name} is read-only")
     if written and not _arrays.addressable(a, family):
         raise RopeValueError(
-            f"{name} must have a contiguous feature axis and element-aligned strides, got "
-            f"strides {a.strides}"
+            f"{name} must have a contiguous feature axis and an element-aligned address and "
+            f"strides, got strides {a.strides} at address {_arrays.address(a)}"
         )
     if written and _arrays.self_overlapping(a):
         raise RopeValueError(
@@ -266,8 +266,9 @@ _layouts = Bounded(256)  # cache: _layout by the arrays' layouts
 
 
 def _flags(a, family):
-    """What an array's flags say that its layout does not (writeable, aligned): NumPy's."""
-    return a.flags.num if family == NUMPY else family
+    """What the layout key needs beyond shape, strides and dtype: NumPy's flags (writeable,
+    aligned), a CuPy array's address modulo its item size (a misaligned one takes a copy)."""
+    return a.flags.num if family == NUMPY else _arrays.address(a) % a.itemsize
 
 
 def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
@@ -299,6 +300,11 @@ def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
                 f"{name} must have q's dtype ({q.dtype}) or float8_e4m3fn, got {cache.dtype}"
             )
         _operand(name, cache, k_cache.shape, cache.dtype, family, written=True)
+    if family == CUPY and k_cache.dtype != v_cache.dtype:  # one cache type per CUDA entry point
+        raise RopeTypeError(
+            f"k_cache and v_cache must have one dtype on a GPU, got {k_cache.dtype} and "
+            f"{v_cache.dtype}"
+        )
     if out is not None:
         _operand("out", out, q.shape, q.dtype, family, written=True)
     return n, hq, hkv, block

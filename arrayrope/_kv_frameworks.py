@@ -33,9 +33,11 @@ def run(rope, arrays, options):
             "rotate_into_cache writes k_cache and v_cache in place, and JAX arrays cannot be "
             "written: pass NumPy arrays (np.asarray) or torch tensors"
         )
-    if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays):
+    weights = (options["q_norm"], options["k_norm"])
+    if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays + weights):
         return _interop.torch_ops().rotate_into_cache(rope._engine.key, arrays, options)
     natives = [_native(name, a) for name, a in zip(NAMES, arrays)]
+    options = options | {name: _native(name, options[name]) for name in ("q_norm", "k_norm")}
     with _interop.framework_stream(arrays):  # torch CUDA tensors: on torch's current stream
         result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
     if out is not None:
@@ -49,18 +51,9 @@ def _native(name, a):
     if a is None or type(a) is np.ndarray or not hasattr(a, "__dlpack__"):
         return a
     torch = sys.modules.get("torch")
-    if torch is not None and type(a) is torch.Tensor:
+    if torch is not None and isinstance(a, torch.Tensor) and a.is_cpu:
         try:
-            # the fast view of a plain CPU tensor; numpy() refuses what DLPack's way (below)
-            # resolves or names: bfloat16, lazy negations, device tensors
-            return a.numpy()
-        except (RuntimeError, TypeError):
-            pass
-    if _framework(a) == "torch" and a.dtype == torch.float8_e4m3fn:
-        # DLPack carries no float8: its bits, viewed as ml_dtypes' type
-        import ml_dtypes
-
-        bits = _interop.adopt(name, a.view(torch.uint8), name in _WRITTEN)[0]
-        return bits.view(ml_dtypes.float8_e4m3fn)
-    native, _, read_only = _interop.adopt(name, a, name in _WRITTEN)
-    return native
+            return a.numpy()  # the fast view of a plain CPU tensor
+        except (RuntimeError, TypeError):  # bfloat16, float8, a lazy negation: torch's rules
+            return _interop.torch_library()._native(a, name, name in _WRITTEN)
+    return _interop.adopt(name, a, name in _WRITTEN)[0]

@@ -21,21 +21,21 @@ def no_weight(dtype):
 
 def step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     """The key of a decode step's layouts and of what the launch takes from its RoPE (the
-    rotary part and style): NumPy arrays, and int64 positions and slots. None for any other
-    call."""
+    rotary part and style): NumPy arrays, and int64 positions and slots, one per token. None
+    for any other call."""
     if not (type(q) is type(k) is type(v) is type(k_cache) is type(v_cache) is _NDARRAY):
         return None
     if type(pos) is not _NDARRAY or type(slots) is not _NDARRAY or pos.dtype != np.int64:
         return None
     if type(out) is not _NDARRAY and out is not None or slots.dtype != np.int64:
         return None
-    if type(cache_layout) is not str:
-        return None
+    if type(cache_layout) is not str or pos.shape != slots.shape or slots.shape != q.shape[:1]:
+        return None  # (positions the general way broadcasts: their rows are not the tokens')
     layouts = tuple(
         (a.shape, a.strides, a.dtype, a.flags.num)
         for a in (q, k, v, k_cache, v_cache, pos, slots)
     )  # fmt: skip
-    out_layout = None if out is None else (out.shape, out.strides, out.flags.num)
+    out_layout = None if out is None else (out.shape, out.strides, out.dtype, out.flags.num)
     return (spec.rotary_dim, spec.half_style, cache_layout, out_layout, layouts)
 
 
@@ -78,15 +78,26 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     )  # fmt: skip
     status = _fused.run(args, q.shape[0], threaded)
     if status == _fused.PAST_THE_TABLE:
-        # positions past the cache (a long context): each token's row, made from the level
-        # tables for the call as the general way makes it, then read as a table of the tokens
-        made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
-        if made is None:  # a position outside [0, 2**31): the general way names it
-            return None
-        rows = np.arange(q.shape[0], dtype=np.int64)
-        args = args[:7] + (rows, made[0], made[1]) + args[10:]
-        status = _fused.run(args, q.shape[0], threaded)
+        args = _past_the_table(freqs, dtype, pos, args)
+        status = None if args is None else _fused.run(args, q.shape[0], threaded)
     return None if status else out
+
+
+def _past_the_table(freqs, dtype, pos, args):
+    """The launch's arguments for positions past the cached table: the table grown to them
+    where its cap allows, else each token's row made from the level tables for the call (a
+    long context), as the general way makes them. None for a position outside [0, 2**31)
+    (the general way names it). The launch checks the positions again, on its own copy."""
+    low, high = int(pos.min()), int(pos.max())
+    if low < 0:
+        return None
+    grown = freqs.cached(np, None, dtype, high)
+    if grown is not None:
+        return args[:8] + (grown[0], grown[1]) + args[10:]
+    made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
+    if made is None:
+        return None
+    return args[:7] + (np.arange(pos.shape[0], dtype=np.int64), made[0], made[1]) + args[10:]
 
 
 def remember(key, spec, arrays, block, layout, cos, sin):

@@ -218,12 +218,11 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
 
 
 def cache_step_wanted(arrays):
-    """Whether a ``rotate_into_cache`` call on torch tensors (``_kv_frameworks.NAMES``) must go
-    through its operators, as :func:`wanted` says for a rotation."""
-    q, k, v, pos, k_cache, v_cache, slots, out = arrays
-    if wanted(q, pos, out, k):
+    """Whether a ``rotate_into_cache`` call with torch tensors among ``arrays`` (its arrays and
+    norm weights) must go through its operators, as :func:`wanted` says for a rotation."""
+    if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
         return True
-    return any(_special(a) for a in (v, k_cache, v_cache, slots))
+    return _forward_ad._current_level >= 0 or any(_special(a) for a in arrays)
 
 
 def rotate_into_cache(key, arrays, options):

@@ -40,6 +40,16 @@ static inline unsigned short host_f32_to_f16(float f) {
 """
 
 HOST_RUNNER = r"""
+// Every thread of the grid in turn, each running CALL
+#define HOST_GRID(CALL)                                                                      \
+    blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
+    for (unsigned b = 0; b < grid; ++b)                                                      \
+        for (unsigned ty = 0; ty < rows_per_block; ++ty)                                     \
+            for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
+                blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
+                CALL;                                                                        \
+            }
+
 #define HOST_RUN(NAME, T)                                                                    \
 extern "C" void host_##NAME(                                                                 \
     const T* x1, T* o1, const i64* i1, const T* x2, T* o2, const i64* i2, const i64* g,      \
@@ -48,37 +58,24 @@ extern "C" void host_##NAME(                                                    
     double scale, int* flagged, int rotary_dim, int d, Elem<T>::compute sign, int copy_tail, \
     i64 n1, i64 n2, unsigned grid, unsigned lanes, unsigned rows_per_block)                  \
 {                                                                                            \
-    blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
-    for (unsigned b = 0; b < grid; ++b)                                                      \
-        for (unsigned ty = 0; ty < rows_per_block; ++ty)                                     \
-            for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
-                blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
-                NAME(x1, o1, i1, x2, o2, i2, g, nlead, cos_table, sin_table, n_table,        \
-                     pair_axis, inv_freq, levels, scale, flagged, rotary_dim, d, sign,       \
-                     copy_tail, n1, n2);                                                     \
-            }                                                                                \
+    HOST_GRID(NAME(x1, o1, i1, x2, o2, i2, g, nlead, cos_table, sin_table, n_table,          \
+                   pair_axis, inv_freq, levels, scale, flagged, rotary_dim, d, sign,         \
+                   copy_tail, n1, n2))                                                       \
 }
-"""
 
-HOST_RUN_FUSED = r"""
 #define HOST_RUN_FUSED(NAME, T, K)                                                           \
 extern "C" void host_##NAME(                                                                 \
     const T* q, T* out, const T* k, const T* v, K* k_cache, K* v_cache, const i64* g,        \
     const i64* slots, const i64* rows, const Elem<T>::compute* cos_table,                    \
-    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight,                     \
-    const Elem<T>::compute* k_weight, int n_weight, Elem<T>::compute eps,                    \
+    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight, int n_q_weight,     \
+    const Elem<T>::compute* k_weight, int n_k_weight, Elem<T>::compute eps,                  \
     Elem<T>::compute k_multiplier, Elem<T>::compute v_multiplier, int rotary_dim, int d,     \
     int hq, int hkv, i64 block, i64 n, unsigned grid, unsigned lanes, unsigned rows_per_block)\
 {                                                                                            \
-    blockDim.x = lanes; blockDim.y = rows_per_block; blockDim.z = 1;                         \
-    for (unsigned b = 0; b < grid; ++b)                                                      \
-        for (unsigned ty = 0; ty < rows_per_block; ++ty)                                     \
-            for (unsigned tx = 0; tx < lanes; ++tx) {                                        \
-                blockIdx.x = b; threadIdx.x = tx; threadIdx.y = ty;                          \
-                NAME(q, out, k, v, k_cache, v_cache, g, slots, rows, cos_table, sin_table,   \
-                     q_weight, k_weight, n_weight, eps, k_multiplier, v_multiplier,          \
-                     rotary_dim, d, hq, hkv, block, n);                                      \
-            }                                                                                \
+    HOST_GRID(NAME(q, out, k, v, k_cache, v_cache, g, slots, rows, cos_table, sin_table,     \
+                   q_weight, n_q_weight, k_weight, n_k_weight, eps, k_multiplier,            \
+                   v_multiplier,                                                             \
+                   rotary_dim, d, hq, hkv, block, n))                                        \
 }
 """
 
@@ -104,7 +101,7 @@ def compile_host_kernels(folder):
     runners += "".join(
         f"HOST_RUN_FUSED({name}, {ctype}, {cache})\n" for name, ctype, cache, _ in FUSED_VARIANTS
     )
-    source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + HOST_RUN_FUSED + runners)
+    source.write_text(HOST_PRELUDE + SOURCE + HOST_RUNNER + runners)
     library = folder / "rope_host.so"
     command = [GXX, "-std=c++14", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", str(source)]
     command += ["-fsanitize=alignment", "-fno-sanitize-recover=alignment"]

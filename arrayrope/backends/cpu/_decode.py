@@ -146,15 +146,15 @@ def _overlap_impl(x, o):
         return lambda x, o: False
 
     def overlap(x, o):
-        x_lo, x_hi = _span(x)
-        o_lo, o_hi = _span(o)
+        x_lo, x_hi = memory_span(x)
+        o_lo, o_hi = memory_span(o)
         return x_lo < o_hi and o_lo < x_hi
 
     return overlap
 
 
 @njit(inline="always")
-def _span(a):
+def memory_span(a):
     """[first byte, past the last byte) of the memory a spans (its whole span: empty or not)."""
     lo = np.int64(a.ctypes.data)
     hi = lo + a.itemsize

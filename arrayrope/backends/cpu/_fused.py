@@ -22,6 +22,7 @@ from numba.extending import intrinsic, overload
 from . import _config
 from ._config import DISK_CACHE, HARDWARE_F16, VECTOR_BYTES
 from ._convert import load, store
+from ._decode import memory_span
 from ._ladder import ladder
 from ._simd import copy_bytes, span
 from ._step_checks import bounds, check_slots
@@ -249,16 +250,11 @@ def fused_parallel(
 def _extent(a):
     """(first, end): the bytes ``a`` spans, from a[0, ..., 0] (first <= 0 where an axis
     descends); (0, 0) for an empty array."""
-    first, end = 0, a.itemsize
-    for axis in range(a.ndim):
-        if a.shape[axis] == 0:
-            return 0, 0
-        step = (a.shape[axis] - 1) * a.strides[axis]
-        if step < 0:
-            first += step
-        else:
-            end += step
-    return first, end
+    if a.size == 0:
+        return 0, 0
+    first, end = memory_span(a)
+    at = a.ctypes.data
+    return first - at, end - at
 
 
 @njit
@@ -287,8 +283,9 @@ def _strides(a, base, first, second, third):
     )
 
 
-# fused_step's status where a position is outside the table (or negative); see its docstring
-PAST_THE_TABLE = 2
+# fused_step's statuses with the check, where it writes nothing: a slot out of range or used
+# twice; a position outside the table (or negative); a written array whose span meets another's
+SLOTS, PAST_THE_TABLE, OVERLAP = 1, 2, 3
 
 
 @njit
@@ -312,19 +309,21 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
     share (0: the caller's thread runs them all).
 
     With the check, the call's own inputs are checked first and 0 means launched; else nothing
-    is written and the status names the first failure: 1 a slot out of range or used twice,
-    2 a position outside the table, 3 a written array whose span meets another's (out at q's
-    address in q's layout is in place). The slots and positions are used as checked copies
+    is written and the status names the first failure: SLOTS (slots or positions not one per
+    token, a slot out of range or used twice), PAST_THE_TABLE, OVERLAP (out at q's address in
+    q's layout is in place). The slots and positions are used as checked copies
     (the caller's may change meanwhile). Without the check the caller has made every one."""
     block, hnd, rotary_dim, half_style = settings[0], settings[1], settings[2], settings[3]
     n, hq, d = q.shape
     if settings[5]:
+        if slots.shape[0] != n or rows.shape[0] != n:
+            return SLOTS
         slots, rows = slots.copy(), rows.copy()
         if check_slots(slots, kc.shape[0] * block)[0]:
-            return 1
+            return SLOTS
         low, high = bounds(rows)
         if low < 0 or high >= cos.shape[0]:
-            return 2
+            return PAST_THE_TABLE
     at = (
         q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, kc.ctypes.data,
         vc.ctypes.data,
@@ -337,7 +336,7 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
                 if other == w or not _meets(at[w], spans[w], at[other], spans[other]):
                     continue
                 if not (w == 1 and other == 0 and same and q.strides == out.strides):
-                    return 3
+                    return OVERLAP
     qf, qb = _flat(q, spans[0])
     kf, kb = _flat(k, spans[2])
     vf, vb = _flat(v, spans[3])

@@ -235,8 +235,9 @@ def fused_plan(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, lay
     """What the fused step's launch takes, host side: (kernel name, grid, block, args), args
     in the kernel's order (``FUSED_ENTRY`` in rope.cu): the six operands, the geometry g (their
     element strides, through ``place`` as for :func:`launch_plan`), slots, rows, the tables,
-    the weights (empty: no norm), eps and the caches' multipliers (``numbers``), then
-    rotary_dim, d, hq, hkv, the block size and the token count."""
+    each weight and its length (0: no norm), eps and the caches' multipliers (``numbers``),
+    then rotary_dim, d, hq, hkv, the block size and the token count. The caches share one
+    dtype (the caller checks)."""
     n, hq, d = q.shape
     cache_axes = (0, 1, 2) if layout == "NHD" else (0, 2, 1)  # block, offset, head
     strides = []
@@ -249,7 +250,8 @@ def fused_plan(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, lay
     name = f"fused_{q.dtype.name}_{spec.style}{fp8}"
     args = (
         q, out, k, v, k_cache, v_cache, place(("g", g.tobytes()), g), slots, rows, cos, sin,
-        q_weight, k_weight, np.int32(q_weight.shape[0]), compute(numbers[0]),
+        q_weight, np.int32(q_weight.shape[0]), k_weight, np.int32(k_weight.shape[0]),
+        compute(numbers[0]),
         compute(numbers[1]), compute(numbers[2]), np.int32(spec.rotary_dim), np.int32(d),
         np.int32(hq), np.int32(k.shape[1]), np.int64(block), np.int64(n),
     )  # fmt: skip

@@ -349,9 +349,9 @@ template <> struct CacheStore<e4m3_bits> {
 __device__ __forceinline__ float root(float v) { return sqrtf(v); }
 __device__ __forceinline__ double root(double v) { return sqrt(v); }
 
-// One head's row: x (normalized where weight is given: n_weight = d) turned by table row
-// (c, s) into o, the tail copied (normalized). The inverse RMS is summed by each lane over
-// the whole row in order, as the CPU sums it, so every lane holds the CPU's value.
+// One head's row: x (normalized where a weight is given: n_weight = d; none: 0) turned by the
+// table row (c, s) into o, the tail copied (normalized). The inverse RMS is summed by each lane
+// over the whole row in order, as the CPU sums it, so every lane holds the CPU's value.
 template <typename T, typename O, bool HALF_STYLE>
 __device__ __forceinline__ void fused_row(
     const T* x, O* o, const typename Elem<T>::compute* c, const typename Elem<T>::compute* s,
@@ -397,8 +397,8 @@ __device__ __forceinline__ void fused_step(
     const i64* __restrict__ g, const i64* __restrict__ slots, const i64* __restrict__ rows,
     const typename Elem<T>::compute* __restrict__ cos_table,
     const typename Elem<T>::compute* __restrict__ sin_table,
-    const typename Elem<T>::compute* __restrict__ q_weight,
-    const typename Elem<T>::compute* __restrict__ k_weight, int n_weight,
+    const typename Elem<T>::compute* __restrict__ q_weight, int n_q_weight,
+    const typename Elem<T>::compute* __restrict__ k_weight, int n_k_weight,
     typename Elem<T>::compute eps, typename Elem<T>::compute k_multiplier,
     typename Elem<T>::compute v_multiplier, int rotary_dim, int d, int hq, int hkv,
     i64 block, i64 n)
@@ -413,7 +413,7 @@ __device__ __forceinline__ void fused_step(
     const C* s = sin_table + rows[t] * half;
     if (h < hq) {
         fused_row<T, T, HALF_STYLE>(q + t * g[0] + h * g[1], out + t * g[2] + h * g[3], c, s,
-                                    q_weight, n_weight, eps, (C)1, rotary_dim, d);
+                                    q_weight, n_q_weight, eps, (C)1, rotary_dim, d);
         return;
     }
     const i64 slot = slots[t];
@@ -422,7 +422,7 @@ __device__ __forceinline__ void fused_step(
     const i64 page = slot / block, offset = slot % block;
     fused_row<T, K, HALF_STYLE>(k + t * g[4] + head * g[5],
                                 k_cache + page * g[8] + offset * g[9] + head * g[10], c, s,
-                                k_weight, n_weight, eps, k_multiplier, rotary_dim, d);
+                                k_weight, n_k_weight, eps, k_multiplier, rotary_dim, d);
     const T* vx = v + t * g[6] + head * g[7];
     K* vo = v_cache + page * g[11] + offset * g[12] + head * g[13];
     for (int j = threadIdx.x; j < d; j += blockDim.x)
@@ -433,13 +433,13 @@ __device__ __forceinline__ void fused_step(
 extern "C" __global__ void NAME(                                                            \
     const T* q, T* out, const T* k, const T* v, K* k_cache, K* v_cache, const i64* g,       \
     const i64* slots, const i64* rows, const Elem<T>::compute* cos_table,                   \
-    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight,                    \
-    const Elem<T>::compute* k_weight, int n_weight, Elem<T>::compute eps,                   \
+    const Elem<T>::compute* sin_table, const Elem<T>::compute* q_weight, int n_q_weight,    \
+    const Elem<T>::compute* k_weight, int n_k_weight, Elem<T>::compute eps,                 \
     Elem<T>::compute k_multiplier, Elem<T>::compute v_multiplier, int rotary_dim, int d,    \
     int hq, int hkv, i64 block, i64 n)                                                      \
 {                                                                                           \
     fused_step<T, K, HALF_STYLE>(q, out, k, v, k_cache, v_cache, g, slots, rows, cos_table, \
-                                 sin_table, q_weight, k_weight, n_weight, eps,              \
-                                 k_multiplier, v_multiplier, rotary_dim, d, hq, hkv, block, \
-                                 n);                                                        \
+                                 sin_table, q_weight, n_q_weight, k_weight, n_k_weight,     \
+                                 eps, k_multiplier, v_multiplier, rotary_dim, d, hq, hkv,   \
+                                 block, n);                                                 \
 }
