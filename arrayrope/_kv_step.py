@@ -79,7 +79,9 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     status = _fused.run(args, q.shape[0], threaded)
     if status == _fused.PAST_THE_TABLE:
         args = _past_the_table(freqs, dtype, pos, args)
-        status = None if args is None else _fused.run(args, q.shape[0], threaded)
+        if args is None:
+            return None
+        status = _fused.run(args, q.shape[0], threaded)
     return None if status else out
 
 
