@@ -635,7 +635,8 @@ def test_transformers_angles_read_device_positions_on_the_host(cp, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize(
-    "rope_kind", ["half", "interleaved, partial, YaRN", "sectioned", "norm and float8"]
+    "rope_kind",
+    ["half", "interleaved, partial, YaRN", "sectioned", "norm and float8", "q norm", "k norm"],
 )
 def test_rotate_into_cache_on_the_device_is_the_cpu_step(cp, rng, dtype, layout, rope_kind):
     # The fused step's CUDA source against the NumPy step on the same values, bit for bit:
@@ -648,6 +649,8 @@ def test_rotate_into_cache_on_the_device_is_the_cpu_step(cp, rng, dtype, layout,
         "interleaved, partial, YaRN": ar.RoPE(d, rotary_dim=12, scaling=YaRN(4.0, 64)),
         "sectioned": ar.RoPE.sectioned(d, (4, 6, 6)),
         "norm and float8": ar.RoPE(d, style="half", rotary_dim=24),
+        "q norm": ar.RoPE(d, rotary_dim=24),
+        "k norm": ar.RoPE(d, rotary_dim=24),
     }[rope_kind]
     options = {}
     cache_dtype = dtype
@@ -655,6 +658,8 @@ def test_rotate_into_cache_on_the_device_is_the_cpu_step(cp, rng, dtype, layout,
         options = dict(q_norm=rng.uniform(0.5, 1.5, d), k_norm=rng.uniform(0.5, 1.5, d),
                        norm_eps=1e-5, k_scale=0.5, v_scale=2.0)  # fmt: skip
         cache_dtype = ml_dtypes.float8_e4m3fn
+    elif rope_kind.endswith(" norm"):  # one of the two: each row reads its own weight or none
+        options = {rope_kind.replace(" ", "_"): rng.uniform(0.5, 1.5, d)}
     qkv = random_array(rng, (n, hq + 2 * hkv, d), dtype)
     shape = (4, 4, hkv, d) if layout == "NHD" else (4, hkv, 4, d)
     caches = [random_array(rng, shape, np.float32).astype(cache_dtype) for _ in "kv"]
@@ -696,6 +701,11 @@ def test_rotate_into_cache_on_the_device_refuses_before_writing(cp, rng):
         rope.rotate_into_cache(
             q, k, v, pos, np.zeros((2, 4, 1, 16), np.float32), v_cache, [0, 1, 2]
         )
+    import ml_dtypes
+
+    float8 = cp.asarray(np.zeros((2, 4, 1, 16), ml_dtypes.float8_e4m3fn))
+    with pytest.raises(ar.RopeTypeError, match="one dtype on a GPU"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, float8, [0, 1, 2], v_scale=1.0)
     inside = k_cache.reshape(-1)[:96].reshape(3, 2, 16)  # out in the key cache's memory
     with pytest.raises(ar.RopeValueError, match="k_cache and out share memory"):
         rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, [0, 1, 2], out=inside)
