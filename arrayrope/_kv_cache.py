@@ -172,6 +172,14 @@ def _on_host(a):
     return a.get() if _arrays.family(a) == CUPY else a
 
 
+def _on_device_like(q):
+    """A new CuPy array of q's shape and dtype, on q's device (not the current one)."""
+    import cupy
+
+    with q.device:
+        return cupy.empty(q.shape, q.dtype)
+
+
 def _on_device(rope, q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
                q_weight, k_weight, numbers):  # fmt: skip
     """The checked step's launch on CuPy arrays: each token's table row, the slots and the
@@ -408,10 +416,9 @@ def rotate_into_cache(
         )  # fmt: skip
         return _kv_frameworks.run(self, (q, k, v, pos, k_cache, v_cache, slots, out), options)
     family = _family(given)
-    xp = _arrays.namespace(family)
     n, hq, hkv, block = _layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family)
     if out is None:
-        out = xp.empty(q.shape, q.dtype)
+        out = np.empty(q.shape, q.dtype) if family == NUMPY else _on_device_like(q)
     q_weight = _weights("q_norm", _on_host(q_norm), d)
     k_weight = _weights("k_norm", _on_host(k_norm), d)
     try:

@@ -105,7 +105,7 @@ def _past_the_table(freqs, dtype, pos, args):
 def remember(key, spec, arrays, block, layout, cos, sin):
     """Keep what the layouts of a call the general way took settle (``arrays``: q, out, k, v,
     k_cache, v_cache), where the short way can serve its like: a one-axis RoPE whose rule
-    does not read the length, caches of q's dtype (no float8), positions read in the cache."""
+    does not read the length, caches of q's dtype (no float8)."""
     from .backends.cpu import _fused
 
     q, out, k, v, k_cache, v_cache = arrays

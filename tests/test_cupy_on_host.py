@@ -711,3 +711,23 @@ def test_rotate_into_cache_on_the_device_refuses_before_writing(cp, rng):
         rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, [0, 1, 2], out=inside)
     assert not k_cache.get().any() and not v_cache.get().any()
     assert not [name for name in _launches(cp) if name.startswith("fused")]
+
+
+def test_rotate_into_cache_on_a_second_device(cp, rng):
+    # with device 0 current, a step on device 1's arrays runs there and its result lives there;
+    # an array on the other device is refused by name
+    rope = ar.RoPE(16, style="half")
+    qkv = random_array(rng, (3, 4, 16), np.float32)
+    caches = [np.zeros((2, 4, 1, 16), np.float32) for _ in "kv"]
+    q, k, v = qkv[:, :2], qkv[:, 2:3], qkv[:, 3:]
+    want = rope.rotate_into_cache(q, k, v, np.arange(3), *caches, np.array([0, 5, 7]))
+    with cp.cuda.Device(1):
+        dqkv, dcaches = cp.asarray(qkv), [cp.asarray(np.zeros_like(c)) for c in caches]
+        dq, dk, dv = dqkv[:, :2], dqkv[:, 2:3], dqkv[:, 3:]
+    got = rope.rotate_into_cache(dq, dk, dv, np.arange(3), *dcaches, np.array([0, 5, 7]))
+    assert got.device.id == 1 and [m.device for m in cp.modules] == [1]
+    assert np.array_equal(bits(got.get()), bits(want))
+    assert np.array_equal(bits(dcaches[0].get()), bits(caches[0]))
+    with pytest.raises(ar.RopeValueError, match="k_cache is on .* and q on"):
+        rope.rotate_into_cache(dq, dk, dv, np.arange(3), cp.asarray(caches[0]), dcaches[1],
+                               [0, 5, 7])  # fmt: skip
