@@ -64,24 +64,24 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     tables = freqs.existing(None, dtype)
     if tables is None:  # a loop that starts past the cache: the cache's first rows, once
         tables = freqs.cached(np, None, dtype, 0)
-    from .backends.cpu import _fused
+    from .backends.cpu import _fused_launch
 
     if out is None:
         out = np.empty(q.shape, q.dtype)
     arrays = (q, out, k, v, k_cache, v_cache)
     if bits:
-        arrays = tuple(_fused.bits_view(a) for a in arrays)
+        arrays = tuple(_fused_launch.bits_view(a) for a in arrays)
     weight = no_weight(dtype)
     args = (
         *arrays, slots, pos, tables[0], tables[1], weight, weight, _plain_numbers(dtype),
         settings,
     )  # fmt: skip
-    status = _fused.run(args, q.shape[0], threaded)
-    if status == _fused.PAST_THE_TABLE:
+    status = _fused_launch.run(args, q.shape[0], threaded)
+    if status == _fused_launch.PAST_THE_TABLE:
         args = _past_the_table(freqs, dtype, pos, args)
         if args is None:
             return None
-        status = _fused.run(args, q.shape[0], threaded)
+        status = _fused_launch.run(args, q.shape[0], threaded)
     return None if status else out
 
 
@@ -106,14 +106,16 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     """Keep what the layouts of a call the general way took settle (``arrays``: q, out, k, v,
     k_cache, v_cache), where the short way can serve its like: a one-axis RoPE whose rule
     does not read the length, caches of q's dtype (no float8)."""
-    from .backends.cpu import _fused
+    from .backends.cpu import _fused_launch
 
     q, out, k, v, k_cache, v_cache = arrays
     if spec.dynamic or spec.n_axes != 1 or not (k_cache.dtype == v_cache.dtype == q.dtype):
         return
     dtype = cos.dtype
     weight = no_weight(dtype)
-    vector = _fused.layout_vector(spec, q, out, k, v, k_cache, v_cache, weight, weight, cos, sin)
-    settings = _fused.settings(spec, block, layout, vector, True)
-    bits = _fused.bits_of(q.dtype) is not None
-    _steps.put(key, (settings, _fused.parallel(q, k), dtype, bits))
+    vector = _fused_launch.layout_vector(
+        spec, q, out, k, v, k_cache, v_cache, weight, weight, cos, sin
+    )
+    settings = _fused_launch.settings(spec, block, layout, vector, True)
+    bits = _fused_launch.bits_of(q.dtype) is not None
+    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits))

@@ -113,7 +113,7 @@ def test_matches_rotate_qk_and_a_scatter(
 def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     # the test above judges both row paths by their bits; this one, that the vector steps serve
     # the common case (views of a fused projection into aligned caches) and not the norm's
-    from arrayrope.backends.cpu import HARDWARE_F16, _fused
+    from arrayrope.backends.cpu import HARDWARE_F16, _fused_launch
 
     rope = ar.RoPE(128, style="half")
     q, k, v = _qkv(rng, 4, 8, 2, 128, dtype, fused=True)
@@ -124,13 +124,13 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     out = np.empty_like(q)
     steps = 3 if expected else 0  # bit 0: q's rows; bit 1: k's and v's
     args = (rope._spec, q, out, k, v, k_cache, v_cache)
-    assert _fused.layout_vector(*args, none, none, cos, sin) == steps
-    assert _fused.layout_vector(*args, none, weight, cos, sin) == steps & 1  # k's norm
-    assert _fused.layout_vector(*args, weight, none, cos, sin) == steps & 2  # q's norm
+    assert _fused_launch.layout_vector(*args, none, none, cos, sin) == steps
+    assert _fused_launch.layout_vector(*args, none, weight, cos, sin) == steps & 1  # k's norm
+    assert _fused_launch.layout_vector(*args, weight, none, cos, sin) == steps & 2  # q's norm
     # a target off the 16-byte grid takes the row loop
-    assert _fused.vector_steps(steps, 0, 32, 48) == steps
-    assert _fused.vector_steps(steps, 4, 32, 48) == steps & 2
-    assert _fused.vector_steps(steps, 0, 32, 40) == steps & 1
+    assert _fused_launch.vector_steps(steps, 0, 32, 48) == steps
+    assert _fused_launch.vector_steps(steps, 4, 32, 48) == steps & 2
+    assert _fused_launch.vector_steps(steps, 0, 32, 40) == steps & 1
 
 
 def _rms64(x, weight, eps):

@@ -24,6 +24,7 @@ from . import (
     _direct,
     _disk_cache,
     _fused,
+    _fused_launch,
     _gather,
     _parallel,
     _rows,
@@ -31,14 +32,24 @@ from . import (
     _step_checks,
 )
 from ._config import HARDWARE_F16, STREAMING, threads_usable
-from ._fused import launch as launch_fused
+from ._fused_launch import launch as launch_fused
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, UNALIGNED, VECTOR
 from ._rows_plan import rows_plan
 
 _disk_cache.guard(
-    _angles, _convert, _decode, _direct, _fused, _gather, _parallel, _rows, _runs, _step_checks
+    _angles,
+    _convert,
+    _decode,
+    _direct,
+    _fused,
+    _fused_launch,
+    _gather,
+    _parallel,
+    _rows,
+    _runs,
+    _step_checks,
 )
 
 __all__ = ["launch", "launch_filled", "launch_fused", "rows_plan"]

@@ -1,0 +1,244 @@
+"""The launch of the fused step (``RoPE.rotate_into_cache``; its kernels are in ``_fused``):
+from arrays of any layout, the flat views, element strides and vector steps the kernels take,
+a decode step's own checks, and the choice between one thread and Numba's threads, in one
+compiled call.
+"""
+
+import functools
+import threading
+
+import numba
+import numpy as np
+from numba import njit
+
+from . import _config
+from ._config import DISK_CACHE, HARDWARE_F16
+from ._decode import memory_span
+from ._fused import fused_parallel, fused_range
+from ._simd import span
+from ._step_checks import bounds, check_slots
+
+
+@njit
+def _extent(a):
+    """(first, end): the bytes ``a`` spans, from a[0, ..., 0] (first <= 0 where an axis
+    descends); (0, 0) for an empty array."""
+    if a.size == 0:
+        return 0, 0
+    first, end = memory_span(a)
+    at = a.ctypes.data
+    return first - at, end - at
+
+
+@njit
+def _flat(a, extent):
+    """``a``'s memory as a flat view, and the element offset of a[0, ..., 0] in it."""
+    first, end = extent
+    item = a.itemsize
+    return span(a, first // item, (end - first) // item), -first // item
+
+
+@njit
+def _meets(at, extent, other_at, other):
+    """Whether two arrays' spans (their addresses and extents) share a byte."""
+    return at + extent[0] < other_at + other[1] and other_at + other[0] < at + extent[1]
+
+
+@njit
+def _strides(a, base, first, second, third):
+    """(base, a's element strides along the given axes) as the kernel's int64 offsets; third
+    < 0 leaves it out."""
+    item = a.itemsize
+    if third < 0:
+        return np.array((base, a.strides[first] // item, a.strides[second] // item))
+    return np.array(
+        (base, a.strides[first] // item, a.strides[second] // item, a.strides[third] // item)
+    )
+
+
+# fused_step's statuses with the check, where it writes nothing: a slot out of range or used
+# twice; a position outside the table (or negative); a written array whose span meets another's
+SLOTS, PAST_THE_TABLE, OVERLAP = 1, 2, 3
+
+
+@njit
+def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
+    """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
+    whose targets' addresses are 16-byte aligned."""
+    steps = allowed & 1 if out_at % 16 == 0 else 0
+    if k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
+        steps |= allowed & 2
+    return steps
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, numbers,
+               settings, tasks):  # fmt: skip
+    """Launch the step on arrays of any layout (the half types and float8 as their bits): their
+    flat views, offsets and strides made here. ``settings`` (see :func:`settings`): block
+    size, HND, rotary_dim, half style, the vector steps the layouts allow (see
+    :func:`layout_vector`) and whether to check; ``numbers``: eps and the caches'
+    multipliers, of the compute dtype; ``tasks``: how many ranges of tokens Numba's threads
+    share (0: the caller's thread runs them all).
+
+    With the check, the call's own inputs are checked first and 0 means launched; else nothing
+    is written and the status names the first failure: SLOTS (slots or positions not one per
+    token, a slot out of range or used twice), PAST_THE_TABLE, OVERLAP (out at q's address in
+    q's layout is in place). The slots and positions are used as checked copies
+    (the caller's may change meanwhile). Without the check the caller has made every one."""
+    block, hnd, rotary_dim, half_style = settings[0], settings[1], settings[2], settings[3]
+    n, hq, d = q.shape
+    if settings[5]:
+        if slots.shape[0] != n or rows.shape[0] != n:
+            return SLOTS
+        slots, rows = slots.copy(), rows.copy()
+        if check_slots(slots, kc.shape[0] * block)[0]:
+            return SLOTS
+        low, high = bounds(rows)
+        if low < 0 or high >= cos.shape[0]:
+            return PAST_THE_TABLE
+    at = (
+        q.ctypes.data, out.ctypes.data, k.ctypes.data, v.ctypes.data, kc.ctypes.data,
+        vc.ctypes.data,
+    )  # fmt: skip
+    spans = (_extent(q), _extent(out), _extent(k), _extent(v), _extent(kc), _extent(vc))
+    same = at[1] == at[0]
+    if settings[5]:
+        for w in (1, 4, 5):  # out, k_cache, v_cache: written
+            for other in range(6):
+                if other == w or not _meets(at[w], spans[w], at[other], spans[other]):
+                    continue
+                if not (w == 1 and other == 0 and same and q.strides == out.strides):
+                    return OVERLAP
+    qf, qb = _flat(q, spans[0])
+    kf, kb = _flat(k, spans[2])
+    vf, vb = _flat(v, spans[3])
+    kcf, kcb = _flat(kc, spans[4])
+    vcf, vcb = _flat(vc, spans[5])
+    qs = _strides(q, qb, 0, 1, -1)
+    if same:  # out is q (the caller has refused any other overlap): addressed through q's view
+        of, os_ = qf, qs
+    else:
+        of, ob = _flat(out, spans[1])
+        os_ = _strides(out, ob, 0, 1, -1)
+    offset, heads = (2, 1) if hnd else (1, 2)
+    vector = vector_steps(settings[4], at[1], at[4], at[5])
+    args = (
+        qf, of, kf, vf, kcf, vcf, qs, os_, _strides(k, kb, 0, 1, -1), _strides(v, vb, 0, 1, -1),
+        _strides(kc, kcb, 0, offset, heads), _strides(vc, vcb, 0, offset, heads), slots, rows,
+        cos, sin, block, hq, k.shape[1], rotary_dim, d, half_style != 0, False, q_weight,
+        k_weight, numbers[0], numbers[1], numbers[2], vector,
+    )  # fmt: skip
+    if tasks:
+        fused_parallel(*args, tasks, n)
+    else:
+        fused_range(*args, 0, n)
+    return 0
+
+
+# fused_step compiles once per dtype combination, its six operands typed as of any layout (see
+# _specialized): a decode loop's views and a prefill's contiguous arrays share one build
+_compiling = threading.Lock()
+_built = False  # whether fused_step has a build, and so takes no new ones at call time
+
+
+def _specialized(args):
+    """Compile fused_step for ``args`` with its six operands typed as of any layout (Numba
+    then calls that build with arrays of every layout: C arrays convert to it)."""
+    global _built
+    signature = tuple(
+        numba.typeof(a).copy(layout="A") if i < 6 else numba.typeof(a) for i, a in enumerate(args)
+    )
+    with _compiling:
+        fused_step.disable_compile(False)
+        try:
+            fused_step.compile(signature)
+        finally:
+            fused_step.disable_compile()
+            _built = True
+
+
+def _step(*args):
+    """fused_step(*args), compiling it first for a new dtype combination."""
+    if not _built:
+        _specialized(args)
+    try:
+        return fused_step(*args)
+    except TypeError:  # no build for these types yet (Numba raises before running anything)
+        _specialized(args)
+    return fused_step(*args)
+
+
+def bits_view(a):
+    """``a`` as the kernel reads it: the half types by their bits, float8 as uint8."""
+    bits = bits_of(a.dtype)
+    return a if bits is None else a.view(bits)
+
+
+@functools.cache
+def bits_of(dtype):
+    """The integer type the kernel reads a dtype's elements as, or None for its own."""
+    return {"float16": np.int16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype.name)
+
+
+def layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin):
+    """The vector steps the layouts allow, where the targets' addresses are 16-byte aligned
+    (fused_step checks those): bit 0 for q's rows, bit 1 for k's and v's."""
+    vector = int(_vector(spec, q, (out,), q_weight, cos, sin))
+    return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), k_weight, cos, sin, v))
+
+
+def _vector(spec, x, targets, weight, cos, sin, other=None):
+    """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``: no norm,
+    targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
+    block and tail of whole 16 bytes, 16-byte strides between target rows, unit-stride table
+    rows, and float16 converted by the CPU."""
+    item = x.itemsize
+    block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
+    if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
+        return False
+    if x.dtype == np.float16 and not HARDWARE_F16:
+        return False
+    if cos.strides[-1] != cos.itemsize or sin.strides != cos.strides:
+        return False
+    for target in targets:
+        if target.dtype != x.dtype:
+            return False
+        rows = zip(target.shape[:-1], target.strides[:-1])  # the feature axis is contiguous
+        if any(stride % 16 for size, stride in rows if size > 1):
+            return False
+    return other is None or other.dtype == x.dtype
+
+
+def settings(spec, block, layout, vector, check):
+    """fused_step's int64 settings."""
+    return np.array(
+        (block, layout == "HND", spec.rotary_dim, spec.half_style, vector, check), np.int64
+    )
+
+
+def parallel(q, k):
+    """Whether a step of these operands runs on Numba's threads."""
+    size = q.shape[0] * (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
+    return size >= _config.CONFIG.serial_below
+
+
+def run(args, n, threaded):
+    """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
+    launch them, in ranges of tokens a few per thread."""
+    if threaded and _config.threads_usable():
+        return _config.run_parallel(_step, *args, min(n, 16 * numba.get_num_threads()))
+    return _step(*args, 0)
+
+
+def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout, spec, q_weight,
+           k_weight, numbers):  # fmt: skip
+    """Run the step over every token, on Numba's threads where it is large. The caller has
+    checked every argument (see _kv_cache); ``numbers``: eps and the caches' multipliers, of
+    the compute dtype."""
+    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin)
+    args = (
+        *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
+        q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),
+    )  # fmt: skip
+    run(args, q.shape[0], parallel(q, k))
