@@ -39,18 +39,9 @@ from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, UNALIGNED, VECTOR
 from ._rows_plan import rows_plan
 
 _disk_cache.guard(
-    _angles,
-    _convert,
-    _decode,
-    _direct,
-    _fused,
-    _fused_launch,
-    _gather,
-    _parallel,
-    _rows,
-    _runs,
+    _angles, _convert, _decode, _direct, _fused, _fused_launch, _gather, _parallel, _rows, _runs,
     _step_checks,
-)
+)  # fmt: skip
 
 __all__ = ["launch", "launch_filled", "launch_fused", "rows_plan"]
 
