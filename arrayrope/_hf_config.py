@@ -17,7 +17,7 @@ from ._spec import base_arg, dims_arg, style_arg
 
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
-    {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox"}
+    {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox", "clvp_encoder"}
 )
 
 _COMMON_KEYS = {
@@ -238,6 +238,8 @@ def _rope(cls, cfg, style, max_positions, layer_type, angles):
     absolute = None
     if model_type in layouts.ABSOLUTE_ROTARY_DIM_FAMILIES:
         absolute = read.integer(cfg, "rotary_dim")
+    if absolute is None:
+        absolute = layouts.derived_rotary_dim(cfg)
     if absolute is not None:
         if partial is not None and absolute != rotated:
             raise RopeValueError(

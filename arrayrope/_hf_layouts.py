@@ -66,7 +66,22 @@ NO_ROPE_BY_FAMILY = {
     )
 }  # fmt: skip
 # Families whose attention takes a RoPE only where a config field says so.
-ROPE_SWITCHES = {"zamba2": "use_mem_rope"}
+ROPE_SWITCHES = {"zamba2": "use_mem_rope", "clvp_encoder": "use_rotary_embedding"}
+
+
+def derived_rotary_dim(cfg):
+    """The rotated features of families whose code derives them from other fields (None for
+    the rest): CLVP's encoders rotate max(projection_dim // (2 * heads), 32) features of each
+    head, and rotate v by the same RoPE as q and k."""
+    if cfg.get("model_type") != "clvp_encoder":
+        return None
+    projection, heads = cfg.get("projection_dim"), cfg.get("num_attention_heads")
+    if not (type(projection) is int and type(heads) is int and projection > 0 and heads > 0):
+        raise RopeValueError(
+            "config of model_type 'clvp_encoder' needs positive int projection_dim and "
+            f"num_attention_heads, got {projection!r} and {heads!r}"
+        )
+    return max(projection // (2 * heads), 32)
 
 
 def has_rope(cfg, layer_type):

@@ -18,6 +18,7 @@ import dataclasses
 import glob
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -213,20 +214,35 @@ def _recording(module, config):
             module.eager_attention_forward = old
 
 
+def _taker(attention):
+    """The argument of the attention's forward that takes the rotary module's output, or None:
+    its cos and sin (position_embeddings), or its angles (CLVP's rotary_pos_emb)."""
+    params = inspect.signature(attention.forward).parameters
+    return next((n for n in ("position_embeddings", "rotary_pos_emb") if n in params), None)
+
+
 def _run(attention, module, config, hidden, embeddings, extra):
     """(query, key) the attention hands its attention function, given these cos and sin."""
     params = inspect.signature(attention.forward).parameters
-    kwargs = {"position_embeddings": embeddings} if embeddings is not None else {}
+    taker = _taker(attention)
+    kwargs = {taker: embeddings} if embeddings is not None else {}
     for name, p in params.items():
-        if name in ("hidden_states", "position_embeddings") or p.kind in (
+        if name in ("hidden_states", taker) or p.kind in (
             p.VAR_KEYWORD,
             p.VAR_POSITIONAL,
         ):
             continue
         if p.default is not inspect.Parameter.empty and name != "position_ids":
             continue
-        # a hybrid layer's input before its other blocks (Zamba2): the same states
-        kwargs[name] = hidden if name == "original_hidden_states" else extra.get(name)
+        # a hybrid layer's input before its other blocks (Zamba2): the same states; a draft
+        # model's context from its main model (MuseGlimmer's assistant): none, so that its keys
+        # are its own window's
+        if name == "original_hidden_states":
+            kwargs[name] = hidden
+        elif name == "context_hidden_states":
+            kwargs[name] = hidden[..., :0, :]
+        else:
+            kwargs[name] = extra.get(name)
     for recording in (_recording(module, config), _at_apply(module)):
         with recording:
             try:
@@ -444,12 +460,12 @@ def _attention_classes(module, module_name, rotary_cls):
             and cls.__module__ == module_name
             and issubclass(cls, torch.nn.Module)
             and cls is not rotary_cls
-            and re.search("Attention|Layer|Block", cls.__name__)
+            and re.search("Attention|MLA|Layer|Block", cls.__name__)
         ):
             continue
         found.append(cls)
     # attention classes first: a layer holds one, and more besides
-    return sorted(found, key=lambda c: "Attention" not in c.__name__)
+    return sorted(found, key=lambda c: not re.search("Attention|MLA", c.__name__))
 
 
 # The variants each family is also driven with: YaRN at a quarter of the family's length, and half
@@ -467,7 +483,22 @@ VARIANTS = {
 
 def drive(module_name, rotary_name, seed=0, variant=None):
     """The Outcome of one rotary class, with the config class's defaults or, with a
-    ``variant`` of VARIANTS, their rope parameters changed so."""
+    ``variant`` of VARIANTS, their rope parameters changed so: from the first part of a
+    composite config that builds it and drives it (Qwen3-Omni-MoE's rotary class serves its code
+    predictor and its vocoder, and its text part's defaults give an odd head)."""
+    first = None
+    for part in itertools.count():
+        result = _drive(module_name, rotary_name, seed, variant, part)
+        if result is None:  # no further part builds it
+            return first
+        if result.status != UNDRIVEN:
+            return result
+        first = first or result
+
+
+def _drive(module_name, rotary_name, seed, variant, part):
+    """drive() with the ``part``-th config that builds the rotary class; None where there is
+    none."""
     import torch
 
     module = importlib.import_module(module_name)
@@ -478,6 +509,13 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         return Outcome(family, rotary_name, model_type, status, detail[:300])
 
     config_cls = _config_class(rotary_cls)
+    if config_cls is None and "config" in inspect.signature(rotary_cls.__init__).parameters:
+        # a constructor that takes a config without saying which (CLVP's): the family's own
+        config_cls = next(
+            (c.config_class for name, c in vars(module).items()
+             if name.endswith("PreTrainedModel") and c.__module__ == module_name),
+            None,
+        )  # fmt: skip
     if config_cls is None:
         return outcome(UNDRIVEN, "its constructor takes no transformers config")
     try:
@@ -494,6 +532,11 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             candidate.rope_parameters = {
                 t: {"rope_type": "default", "rope_theta": theta} for t in dict.fromkeys(types)
             }
+    for candidate in _sub_configs(top):
+        # a family whose config chooses its position embedding (ESM: absolute by default) is
+        # driven with its rotary one
+        if getattr(candidate, "position_embedding_type", "rotary") != "rotary":
+            candidate.position_embedding_type = "rotary"
     if variant is not None:
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)
@@ -502,13 +545,19 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             if flat and parameters.get("rope_type") == "default":
                 length = getattr(candidate, "max_position_embeddings", None) or 4096
                 candidate.rope_parameters = VARIANTS[variant](parameters, length)
+    built = 0
     for candidate in _sub_configs(top):
         try:
             rotary = rotary_cls(candidate)
-            config = candidate
-            break
         except Exception as e:  # noqa: BLE001 - the sub-config it does not take
             error = e
+            continue
+        if built == part:
+            config = candidate
+            break
+        built += 1
+    if config is None and part > 0:
+        return None
     if config is None:
         return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
     model_type = getattr(config, "model_type", None)
@@ -567,6 +616,10 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         positions, head_axis = position_ids.numpy(), 1
 
     forward = inspect.signature(rotary.forward).parameters
+    positionless = list(forward) == ["hidden_states"]
+    if positionless and not (axial or sections):  # positions into the module's T angles
+        position_ids = torch.from_numpy(rng.integers(0, T, size=(B, T)))
+        positions = position_ids.numpy()
     layer_types = list(dict.fromkeys(getattr(config, "layer_types", None) or [None]))
     if nested:
         layer_types = [t for t in layer_types if nested.get(t) is not None] or [None]
@@ -608,13 +661,17 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             layer_idx = all_types.index(layer_type) if layer_type in all_types else 0
             args = (layer_type,) if "layer_type" in forward and layer_type is not None else ()
             try:
-                embeddings = rotary(hidden, position_ids, *args)
-                at_zero = rotary(hidden, torch.zeros_like(position_ids), *args)
+                if positionless:  # the angles of positions 0, 1, ..., T-1, which the
+                    embeddings = rotary(hidden)  # attention picks by position ids
+                    at_zero = torch.zeros_like(embeddings)
+                else:
+                    embeddings = rotary(hidden, position_ids, *args)
+                    at_zero = rotary(hidden, torch.zeros_like(position_ids), *args)
             except Exception as e:  # noqa: BLE001
                 results.append((UNDRIVEN, f"its forward: {e!r}"))
                 continue
             for attention_cls in attentions:
-                if "Attention" not in attention_cls.__name__ and any(
+                if not re.search("Attention|MLA", attention_cls.__name__) and any(
                     r[0] != UNDRIVEN for r in results
                 ):
                     break
@@ -626,7 +683,7 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     def compare(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero, once=False):
         try:
             attention = _attention(attention_cls, configs, layer_idx)
-            if "position_embeddings" in inspect.signature(attention.forward).parameters:
+            if _taker(attention) is not None:
                 runs = [_identity(at_zero), embeddings]
             elif _swap_rotary(attention, rotary_cls, rotary, True):
                 runs = [True, False]
@@ -716,6 +773,20 @@ def drive(module_name, rotary_name, seed=0, variant=None):
             best = found
         if best[0] == MATCH:
             break
+    try:
+        heads = config.num_attention_heads
+    except Exception:  # noqa: BLE001 - none, or one per layer (a heterogeneous config)
+        heads = None
+    if best[0] == UNDRIVEN and not (axial or sections) and isinstance(heads, int):
+        # attention that reads one position per head, the same for every token (NeuCodec and
+        # Xcodec2, whose position ids run over heads): arrayrope's positions (1, heads, 1)
+        position_ids = torch.from_numpy(rng.integers(0, top_position, size=(1, heads)))
+        positions, head_axis = position_ids.numpy()[..., None], None
+        extra["position_ids"] = position_ids
+        results = attempt(hidden)
+        if results and min((r[0] for r in results), key=_RANK.get) != UNDRIVEN:
+            status = min((r[0] for r in results), key=_RANK.get)
+            best = (status, next(r[1] for r in results if r[0] == status) + ", a position per head")
     return outcome(best[0], best[1], model_type)
 
 

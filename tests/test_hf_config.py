@@ -221,3 +221,37 @@ def test_dynamic_grows_past_max_position_embeddings():
     }  # fmt: skip
     rope = ar.RoPE.from_hf_config(config)
     assert rope.scaling == ar.scaling.DynamicNTK(2.0, 2048)
+
+
+@given(
+    heads=st.integers(1, 16),
+    projection=st.integers(1, 4096),
+    head_dim=st.integers(32, 96).map(lambda n: 2 * n),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_clvp_encoders_derive_their_rotated_width(heads, projection, head_dim, seed):
+    # CLVP's encoders rotate max(projection_dim // (2 * heads), 32) features at base 10000,
+    # whatever else the config says
+    config = {"model_type": "clvp_encoder", "hidden_size": heads * head_dim,
+              "num_attention_heads": heads, "projection_dim": projection,
+              "use_rotary_embedding": True}  # fmt: skip
+    dim = max(projection // (2 * heads), 32)
+    if dim > head_dim:
+        with pytest.raises(ar.RopeValueError):
+            ar.RoPE.from_hf_config(config)
+        return
+    rope = ar.RoPE.from_hf_config(config)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((3, heads, head_dim))
+    pos = rng.integers(0, 4096, size=(3, 1))
+    want = _hf_oracle(x, pos, head_dim, dim, 10000.0, "half")
+    _close(rope.rotate(x, pos), want, x)
+
+
+def test_clvp_encoders_without_rotary_embedding_or_sizes_are_refused():
+    config = {"model_type": "clvp_encoder", "hidden_size": 768, "num_attention_heads": 12,
+              "projection_dim": 768, "use_rotary_embedding": True}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="use_rotary_embedding off"):
+        ar.RoPE.from_hf_config({**config, "use_rotary_embedding": False})
+    with pytest.raises(ar.RopeValueError, match="projection_dim"):
+        ar.RoPE.from_hf_config({**config, "projection_dim": None})

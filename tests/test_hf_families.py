@@ -24,7 +24,6 @@ import hf_families  # noqa: E402
 NOT_DRIVEN = {
     # rotary modules that make their positions from a feature grid or their own lengths: there
     # are no position ids to hand them
-    "ClvpRotaryPositionalEmbedding": "its rotary module takes no config and no positions",
     "EfficientLoFTRRotaryEmbedding": "its rotary module makes positions from a feature grid",
     "EomtDinov3RotaryEmbedding": "its rotary module makes positions from the pixel grid",
     "Llama4VisionRotaryEmbedding": "its rotary module makes positions from the patch grid",
@@ -38,13 +37,7 @@ NOT_DRIVEN = {
     "HunYuanVLRotaryEmbedding": "its config class gives no mrope_section, which it needs",
     "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
     # attention classes this driver cannot build or call alone
-    "LongcatFlashRotaryEmbedding": "its layer holds expert weights too large to build here",
-    "EsmRotaryEmbedding": "its attention takes its rotary module's input from elsewhere",
-    "MuseGlimmerAssistantRotaryEmbedding": "its attention needs another model's states",
-    "NeuCodecRotaryEmbedding": "its attention takes positions in another layout",
-    "Xcodec2RotaryEmbedding": "its attention takes positions in another layout",
     "Qwen2_5OmniDiTRotaryEmbedding": "a diffusion block with its own attention API",
-    "Qwen3OmniMoeRotaryEmbedding": "its attention classes take other parts' configs",
 }
 
 # Rotary modules that from_hf_config refuses, with the words of the reason it must give: layouts
