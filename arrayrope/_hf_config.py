@@ -17,7 +17,17 @@ from ._spec import base_arg, dims_arg, style_arg
 
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
 THETA_10000_FAMILIES = frozenset(
-    {"llama", "mistral", "mixtral", "gptj", "codegen", "phi", "gpt_neox", "clvp_encoder"}
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "gptj",
+        "codegen",
+        "phi",
+        "gpt_neox",
+        "clvp_encoder",
+        "roformer",
+    }
 )
 
 _COMMON_KEYS = {
@@ -198,11 +208,12 @@ def _rope(cls, cfg, style, max_positions, layer_type, angles):
 
     cfg, params = read.layer(cfg, layer_type)
     model_type = cfg.get("model_type")
+    if model_type in layouts.UNEXPRESSED:
+        raise RopeValueError(f"model_type {model_type!r}: {layouts.UNEXPRESSED[model_type]}")
     kind = _kind(params, model_type)
+    if kind == "default" and model_type in layouts.GRID_FAMILIES:
+        kind = "axial"  # the family's module turns pairs by the grid it makes (GRID_FAMILIES)
     theta = _theta(cfg, params)
-    partial = _partial(cfg, params)
-    if kind == "default" and model_type not in layouts.PARTIAL_DEFAULT_FAMILIES:
-        partial = None  # the family's default rope ignores it (see PARTIAL_DEFAULT_FAMILIES)
     interleave = cfg.get("rope_interleave")
     if interleave is not None and not isinstance(interleave, bool):
         raise RopeTypeError(f"rope_interleave must be a bool, got {interleave!r}")
@@ -213,12 +224,17 @@ def _rope(cls, cfg, style, max_positions, layer_type, angles):
         head_dim = read.head_dim(
             {**cfg, "hidden_size": cfg.get("embed_dim") or cfg.get("hidden_size")}
         )
+        if model_type in layouts.WHOLE_VECTOR_FAMILIES:
+            head_dim = read.integer(cfg, "hidden_size")
         rotary_dim, blocks, pair_axis, order = layouts.axial(model_type, head_dim, theta)
         return _build(
             cls, head_dim, rotary_dim, style, theta, max_positions, None,
             blocks=blocks, pair_axis=pair_axis, pick=layouts.pick(sign, order, len(pair_axis)),
             angles=angles,
         )  # fmt: skip
+    partial = _partial(cfg, params)
+    if kind == "default" and model_type not in layouts.PARTIAL_DEFAULT_FAMILIES:
+        partial = None  # the family's default rope ignores it (see PARTIAL_DEFAULT_FAMILIES)
     if cfg.get("qk_rope_head_dim") is not None:  # MLA: RoPE covers this part of a head alone
         head_dim = read.integer(cfg, "qk_rope_head_dim")
         rotated = head_dim

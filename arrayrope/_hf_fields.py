@@ -42,6 +42,9 @@ _FIELDS = (
     "rope_interleave",
     "layer_types",
 )
+# Video trackers whose RoPE turns the memory attention's heads: memory_attention_hidden_size,
+# divided by its downsample rate, over memory_attention_num_attention_heads.
+MEMORY_ATTENTION_FAMILIES = frozenset({"sam2_video", "sam3_tracker_video", "edgetam_video"})
 # The parts of a composite config (vision-language, speech) that may hold a RoPE.
 PARTS = ("text", "vision", "audio")
 
@@ -214,6 +217,16 @@ def head_dim(cfg):
     found = integer(cfg, "head_dim")
     if found is not None:
         return found
+    if cfg.get("model_type") in MEMORY_ATTENTION_FAMILIES:  # the RoPE is the memory attention's
+        width = integer(cfg, "memory_attention_hidden_size")
+        rate = integer(cfg, "memory_attention_downsample_rate") or 1
+        heads = integer(cfg, "memory_attention_num_attention_heads")
+        if width is None or heads is None:
+            raise RopeValueError(
+                f"config of model_type {cfg.get('model_type')!r} has no "
+                "memory_attention_hidden_size or memory_attention_num_attention_heads"
+            )
+        return width // rate // heads
     hidden, heads = integer(cfg, "hidden_size"), integer(cfg, "num_attention_heads")
     if hidden is None or heads is None:
         missing = "hidden_size" if hidden is None else "num_attention_heads"

@@ -11,8 +11,9 @@ from ._errors import RopeValueError
 
 # Families whose modeling code rotates adjacent pairs (x[2i], x[2i+1]): GPT-J's
 # rotate_every_two, rotate_half over [..., ::2] with repeat-interleaved cos/sin (Cohere, GLM,
-# ERNIE), complex multiplication (DeepSeek-V2, Llama 4). Configs with a rope_interleave field
-# (DeepSeek-V3 and its MLA kin) say it themselves.
+# ERNIE, EfficientLoFTR, RoFormer), complex multiplication (DeepSeek-V2, Llama 4 and its vision
+# tower), rotate_pairwise (SAM 3's ViT, the SAM 2 / SAM 3 tracker / EdgeTAM memory attention).
+# Configs with a rope_interleave field (DeepSeek-V3 and its MLA kin) say it themselves.
 INTERLEAVED_FAMILIES = frozenset(
     {
         "gptj",
@@ -39,6 +40,13 @@ INTERLEAVED_FAMILIES = frozenset(
         "pe_audio_encoder",
         "pe_audio_video_encoder",
         "pe_video_encoder",
+        "sam3_vit_model",
+        "sam2_video",
+        "sam3_tracker_video",
+        "edgetam_video",
+        "llama4_vision_model",
+        "efficientloftr",
+        "roformer",
     }
 )
 # Families whose config keeps one set of rope parameters per layer type. transformers converts an
@@ -162,6 +170,27 @@ AXIAL_LAYOUTS = {
     "step3p5_vision": ((1, 0), "runs"),
     "minimax_m3_vl_vision": ((0, 1, 2), "runs"),
     "pixtral": ((0, 1), "split"),
+    "efficientloftr": ((0, 1), "alternating"),
+}
+# Vision families whose config names no axial rope (rope_type "default", or rope_theta alone)
+# while their rotary module turns pairs by 2-D grid coordinates it makes itself: their default
+# rope is read as the axial one of AXIAL_LAYOUTS (rope_type "axial"), whose positions are these
+# (negative ones by shift: rotate at p + c, then shift by -c).
+GRID_FAMILIES = {
+    "dinov3_vit": "2 pi times its patch centres (row, column) in [-1, 1]",
+    "eomt_dinov3": "2 pi times its patch centres (row, column) in [-1, 1]",
+    "sapiens2": "2 pi times its patch centres (row, column) in [-1, 1]",
+    "llama4_vision_model": "(column + 1, row + 1) of its patches, its class token at 0",
+    "efficientloftr": "(row + 1, column + 1) of its feature grid",
+}
+# Families that rotate the whole hidden vector before splitting it into heads (EfficientLoFTR,
+# whose partial_rotary_factor of 4 is that ratio): the RoPE's head_dim is hidden_size.
+WHOLE_VECTOR_FAMILIES = frozenset({"efficientloftr"})
+# Families whose rotation no RoPE of pairs expresses, with the reason.
+UNEXPRESSED = {
+    "vjepa2": "its code pairs adjacent features but takes cos and sin tiled as for rotate_half "
+    "pairs, so the two features of a pair turn by different angles: no rotation (it does not "
+    "keep the norm), so no RoPE of pairs",
 }
 
 
@@ -194,6 +223,12 @@ def sections(model_type, params, rotary_dim):
     found = params.get("mrope_section")
     if model_type in UNEXPRESSED_MROPE:
         raise RopeValueError(f"model_type {model_type!r}: {UNEXPRESSED_MROPE[model_type]}")
+    if model_type in GRID_FAMILIES:
+        raise RopeValueError(
+            f"model_type {model_type!r}: its rotary module turns pairs by grid coordinates it "
+            f"makes itself ({GRID_FAMILIES[model_type]}), which a config without rope_type "
+            "'axial' does not say: give rope_parameters rope_type 'axial' to read its rotation"
+        )
     assign = "interleaved" if params.get("mrope_interleaved") else None
     if model_type in MROPE_FAMILIES:
         default_sections, default_assign = MROPE_FAMILIES[model_type]

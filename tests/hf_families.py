@@ -53,21 +53,28 @@ def _capture(module, query, key, *args, **kwargs):
     raise _Captured(query.detach().clone(), key.detach().clone())
 
 
-def modules():
-    """The modeling modules of the installed transformers that hold rotary code."""
+def modules(applying=False):
+    """The modeling modules of the installed transformers that hold rotary code; with
+    ``applying``, only those that call an apply function (others keep a copied one unused)."""
     import transformers.models
 
     root = transformers.models.__path__[0]
     for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
         with open(path) as f:
-            if not re.search(r"RotaryEmbedding|def apply_rotary|rotate_half", f.read()):
-                continue
+            source = f.read()
+        if not re.search(r"RotaryEmbedding|def apply_rotary|rotate_half", source):
+            continue
+        if applying and not re.search(r"(?<!def )\bapply_rotary\w*\(", source):
+            continue
         package = os.path.basename(os.path.dirname(path))
         yield package, f"transformers.models.{package}.{os.path.basename(path)[:-3]}"
 
 
 def components():
-    """(family, module name, rotary class name) of every rotary class."""
+    """(family, module name, rotary class name) of every rotary class: the classes named for
+    it (Rotary, Rope), and those that hf_grid_families drives under other names (RoFormer's
+    sinusoidal embedding)."""
+    import hf_grid_families
     import torch
 
     found = []
@@ -77,10 +84,16 @@ def components():
             if (
                 isinstance(cls, type)
                 and cls.__module__ == name
-                and "Rotary" in cls_name
+                and re.search("Rotary|Rope[A-Z]", cls_name)
                 and issubclass(cls, torch.nn.Module)
             ):
                 found.append((family, name, cls_name))
+    known = {(name, cls_name) for _, name, cls_name in found}
+    found += [
+        (name.split(".")[2], name, cls_name)
+        for name, cls_name in hf_grid_families.COMPONENTS
+        if (name, cls_name) not in known
+    ]
     return found
 
 
@@ -485,7 +498,13 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     """The Outcome of one rotary class, with the config class's defaults or, with a
     ``variant`` of VARIANTS, their rope parameters changed so: from the first part of a
     composite config that builds it and drives it (Qwen3-Omni-MoE's rotary class serves its code
-    predictor and its vocoder, and its text part's defaults give an odd head)."""
+    predictor and its vocoder, and its text part's defaults give an odd head). Modules that make
+    their positions from a grid are driven by hf_grid_families."""
+    import hf_grid_families
+
+    found = hf_grid_families.drive_grid(module_name, rotary_name, variant)
+    if found is not None:
+        return found
     first = None
     for part in itertools.count():
         result = _drive(module_name, rotary_name, seed, variant, part)

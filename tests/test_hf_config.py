@@ -255,3 +255,54 @@ def test_clvp_encoders_without_rotary_embedding_or_sizes_are_refused():
         ar.RoPE.from_hf_config({**config, "use_rotary_embedding": False})
     with pytest.raises(ar.RopeValueError, match="projection_dim"):
         ar.RoPE.from_hf_config({**config, "projection_dim": None})
+
+
+def test_grid_families_read_their_default_rope_as_axial():
+    # DINOv3, EoMT-DINOv3, Sapiens2, Llama 4's vision tower and EfficientLoFTR keep a default
+    # rope in their configs while their modules turn pairs by the grid they make: their RoPE is
+    # the axial one (the drivers in hf_grid_families.py compare it with their own code)
+    dinov3 = {"model_type": "dinov3_vit", "hidden_size": 384, "num_attention_heads": 6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}  # fmt: skip
+    axial = {**dinov3, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
+    rope, want = ar.RoPE.from_hf_config(dinov3), ar.RoPE.from_hf_config(axial)
+    assert (rope.n_axes, rope.head_dim, rope.style) == (2, 64, "half")
+    assert np.array_equal(rope.inv_freq, want.inv_freq)
+    assert np.array_equal(rope._spec.pair_axis, want._spec.pair_axis)
+    # EfficientLoFTR rotates the whole hidden vector before its split into heads; its
+    # partial_rotary_factor of 4 is that ratio, not a fraction to rotate
+    loftr = {"model_type": "efficientloftr", "hidden_size": 256, "num_attention_heads": 8,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                 "partial_rotary_factor": 4.0}}  # fmt: skip
+    rope = ar.RoPE.from_hf_config(loftr)
+    got = (rope.n_axes, rope.head_dim, rope.rotary_dim, rope.style)
+    assert got == (2, 256, 256, "interleaved")
+    assert np.array_equal(rope._spec.pair_axis, np.tile([0, 1], 64))
+    # a scaling rule names no grid: still refused, with the way to read the rotation
+    yarn = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="rope_type 'axial'"):
+        ar.RoPE.from_hf_config({**dinov3, "rope_parameters": yarn})
+
+
+def test_video_trackers_roformer_and_vjepa2():
+    # SAM 2 / SAM 3 trackers and EdgeTAM: the RoPE of the memory attention's heads, in
+    # adjacent pairs
+    sam2 = {"model_type": "sam2_video", "memory_attention_hidden_size": 256,
+            "memory_attention_downsample_rate": 2, "memory_attention_num_attention_heads": 4,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 1e4}}  # fmt: skip
+    rope = ar.RoPE.from_hf_config(sam2)
+    assert (rope.head_dim, rope.n_axes, rope.style) == (32, 2, "interleaved")
+    with pytest.raises(ar.RopeValueError, match="memory_attention_hidden_size"):
+        ar.RoPE.from_hf_config({**sam2, "memory_attention_hidden_size": None})
+    # RoFormer: base 10000 in its code, adjacent pairs over the whole head
+    roformer = {"model_type": "roformer", "hidden_size": 768, "num_attention_heads": 12}
+    rope = ar.RoPE.from_hf_config(roformer)
+    got = (rope.head_dim, rope.rotary_dim, rope.base, rope.style)
+    assert got == (64, 64, 1e4, "interleaved")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 12, 64))
+    pos = rng.integers(0, 512, size=(5, 1))
+    _close(rope.rotate(x, pos), oracle(x, pos, style="interleaved", base=1e4), x)
+    vjepa2 = {"model_type": "vjepa2", "hidden_size": 1024, "num_attention_heads": 16}
+    with pytest.raises(ar.RopeValueError, match="different angles"):
+        ar.RoPE.from_hf_config(vjepa2)

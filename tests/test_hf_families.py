@@ -1,7 +1,8 @@
 """RoPE.from_hf_config against every rotary family of the installed transformers.
 
 The families are found in transformers' own modeling modules and driven through their own
-attention code (see hf_families.py): with the config class's defaults, and again with their
+attention code (see hf_families.py, and hf_grid_families.py for the modules that make their
+positions from a grid): with the config class's defaults, and again with their
 rope parameters turned into YaRN's and into half the head rotated. Each config is read as the
 object and again as the dict transformers writes, and layer types a family leaves unrotated
 must get no RoPE. No family may come out wrong, or refused unless REFUSED names it with the
@@ -22,15 +23,6 @@ import hf_families  # noqa: E402
 # Rotary modules of transformers 5.24 that the driver cannot run, and why. They are not
 # arrayrope's refusals: from_hf_config is never reached for them.
 NOT_DRIVEN = {
-    # rotary modules that make their positions from a feature grid or their own lengths: there
-    # are no position ids to hand them
-    "EfficientLoFTRRotaryEmbedding": "its rotary module makes positions from a feature grid",
-    "EomtDinov3RotaryEmbedding": "its rotary module makes positions from the pixel grid",
-    "Llama4VisionRotaryEmbedding": "its rotary module makes positions from the patch grid",
-    "Sam2VideoVisionRotaryEmbedding": "its rotary module makes positions from a feature grid",
-    "Sam3TrackerVideoVisionRotaryEmbedding": "its rotary module makes positions from a grid",
-    "EdgeTamVideoVisionRotaryEmbedding": "its rotary module makes positions from a grid",
-    "Sam3ViTRotaryEmbedding": "its rotary module makes positions from the patch grid",
     "EsmFold2RotaryEmbedding": "a rotary module over atom coordinates, not positions",
     "MusicFlamingoRotaryEmbedding": "its rotary module takes timestamps and a length",
     # the family's own module fails on its config class's defaults
@@ -40,9 +32,19 @@ NOT_DRIVEN = {
     "Qwen2_5OmniDiTRotaryEmbedding": "a diffusion block with its own attention API",
 }
 
+# Modeling modules that call a rotary apply function through no rotary module of their own, and
+# why.
+NO_ROTARY_MODULE = {
+    "lightglue": "its positional encoder projects keypoint coordinates by a learned layer: cos "
+    "and sin of learned frequencies, which ar.apply_cos_sin takes",
+}
+
 # Rotary modules that from_hf_config refuses, with the words of the reason it must give: layouts
 # that no RoPE of pairs expresses.
-REFUSED = {"Gemma4VisionRotaryEmbedding": "rotates each block by its own halves"}
+REFUSED = {
+    "Gemma4VisionRotaryEmbedding": "rotates each block by its own halves",
+    "VJEPA2RopeAttention": "the two features of a pair turn by different angles",
+}
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -71,8 +73,16 @@ def test_family(family, module_name, rotary_name):
         assert rotary_name in NOT_DRIVEN, f"not driven, and not known why: {outcome.detail}"
 
 
+def test_every_module_that_rotates_is_driven_or_named():
+    driven = {c[1] for c in COMPONENTS}
+    for family, name in hf_families.modules(applying=True):
+        assert name in driven or family in NO_ROTARY_MODULE, (
+            f"{name} calls a rotary apply function, and neither driver runs it"
+        )
+
+
 def test_discovery_finds_the_families():
-    # transformers 5.24 has 228 rotary modules in 200 modeling packages; a discovery that
+    # transformers 5.24 has 232 rotary modules in 204 modeling packages; a discovery that
     # misses most of them (a renamed folder, a moved module) must not pass quietly
     assert len(COMPONENTS) >= 200
     assert len({c[0] for c in COMPONENTS}) >= 180
