@@ -83,12 +83,14 @@ def _kind(params, model_type):
     return kind
 
 
-def _theta(cfg, params):
+def _theta(cfg, params, per_type=False):
+    """The base; a layer type's own rope_theta is the one its layers read, whatever the
+    config's top level says (DeepSeek-V4 keeps its main layers' base there too)."""
     thetas = {
         name: value
         for name, value in (
             ("rope_parameters' rope_theta", params.get("rope_theta")),
-            ("rope_theta", cfg.get("rope_theta")),
+            ("rope_theta", None if per_type and "rope_theta" in params else cfg.get("rope_theta")),
             ("rotary_emb_base", cfg.get("rotary_emb_base")),
         )
         if value is not None
@@ -206,14 +208,15 @@ def _rope(cls, cfg, style, max_positions, layer_type, angles):
     """The RoPE of the (part's) fields ``cfg`` at ``layer_type``."""
     from . import scaling as sc
 
-    cfg, params = read.layer(cfg, layer_type)
+    per_type = read.nested(cfg) is not None
+    cfg, params = read.layer(cfg, layouts.rope_label(cfg, layer_type))
     model_type = cfg.get("model_type")
     if model_type in layouts.UNEXPRESSED:
         raise RopeValueError(f"model_type {model_type!r}: {layouts.UNEXPRESSED[model_type]}")
     kind = _kind(params, model_type)
     if kind == "default" and model_type in layouts.GRID_FAMILIES:
         kind = "axial"  # the family's module turns pairs by the grid it makes (GRID_FAMILIES)
-    theta = _theta(cfg, params)
+    theta = _theta(cfg, params, per_type)
     interleave = cfg.get("rope_interleave")
     if interleave is not None and not isinstance(interleave, bool):
         raise RopeTypeError(f"rope_interleave must be a bool, got {interleave!r}")
@@ -300,11 +303,14 @@ def hf_layer_ropes(cls, config, style, max_positions, part, angles):
     _check_form(cfg, config)
     nested = read.nested(cfg)
     kinds = nested if nested is not None else dict.fromkeys(cfg.get("layer_types") or [])
+    if nested is not None and cfg.get("model_type") in layouts.ROPE_LABELS:
+        kinds = dict.fromkeys(cfg.get("layer_types") or nested)  # each read at its label
     if not kinds:
         raise RopeValueError("config has no layer_types; use RoPE.from_hf_config")
     ropes = {}
     for kind in kinds:
-        if nested is not None and nested[kind] is None or not layouts.has_rope(cfg, kind):
+        label = layouts.rope_label(cfg, kind)
+        if nested is not None and nested.get(label) is None or not layouts.has_rope(cfg, kind):
             ropes[kind] = None
         else:
             ropes[kind] = _rope(cls, cfg, style, max_positions, kind if nested else None, angles)

@@ -40,6 +40,7 @@ INTERLEAVED_FAMILIES = frozenset(
         "pe_audio_encoder",
         "pe_audio_video_encoder",
         "pe_video_encoder",
+        "deepseek_v4",
         "sam3_vit_model",
         "sam2_video",
         "sam3_tracker_video",
@@ -62,6 +63,24 @@ LAYER_TYPE_FAMILIES = frozenset(
         "ultrabert", "zaya",
     }
 )  # fmt: skip
+# Families whose per-type rope parameters are keyed by labels that their code maps layer types
+# to (DeepSeek-V4: "main" for its sliding-window layers, "compress" for its compressed ones):
+# {layer type: label}, and the label of every other layer type.
+ROPE_LABELS = {"deepseek_v4": ({"sliding_attention": "main"}, "compress")}
+
+
+def rope_label(cfg, layer_type):
+    """The key of the rope parameters that layers of ``layer_type`` read: the layer type
+    itself, or its family's label for it (ROPE_LABELS)."""
+    labels = ROPE_LABELS.get(cfg.get("model_type"))
+    if labels is None:
+        return layer_type
+    named, other = labels
+    if layer_type in named:
+        return named[layer_type]
+    return other if layer_type in (cfg.get("layer_types") or []) else layer_type
+
+
 # Layer types whose layers take no position embedding: layers that are not softmax attention
 # (convolutions, linear attention) in every family, and the global layers of families that rotate
 # only their sliding-window layers.
@@ -188,6 +207,14 @@ GRID_FAMILIES = {
 WHOLE_VECTOR_FAMILIES = frozenset({"efficientloftr"})
 # Families whose rotation no RoPE of pairs expresses, with the reason.
 UNEXPRESSED = {
+    "musicflamingo": "its rotary module turns the audio encoder's output, not heads: its first "
+    "2 * n features (n = head_dim * partial_rotary_factor) in adjacent pairs, the first n by a "
+    "window axis and the next n by a time axis, both scaled by -2 pi times each token's "
+    "timestamp; RoPE.axial((n, n), base=rope_theta) on those features at the positions its "
+    "module computes expresses it (part='text' reads the language model's RoPE)",
+    "qwen2_5_omni_dit": "its attention rotates its first head alone (adjacent pairs, written "
+    "de-interleaved) and leaves the others unrotated, which no RoPE of every head expresses: "
+    "rotate q[:, :1] and k[:, :1] with RoPE(head_dim, style='interleaved')",
     "vjepa2": "its code pairs adjacent features but takes cos and sin tiled as for rotate_half "
     "pairs, so the two features of a pair turn by different angles: no rotation (it does not "
     "keep the norm), so no RoPE of pairs",

@@ -262,6 +262,16 @@ def _run(attention, module, config, hidden, embeddings, extra):
                 attention(hidden, **kwargs)
             except _Captured as captured:
                 return captured.query, captured.key
+            except KeyError as e:
+                if e.args != ("eager",):
+                    raise
+                # an attention that looks its function up among transformers' registered ones
+                # alone, where "eager" is not (Qwen2.5-Omni's DiT): torch's, replaced too
+                config._attn_implementation = "sdpa"
+                try:
+                    attention(hidden, **kwargs)
+                except _Captured as captured:
+                    return captured.query, captured.key
     raise RuntimeError("the attention reached neither its attention nor its apply function")
 
 
@@ -640,8 +650,10 @@ def _drive(module_name, rotary_name, seed, variant, part):
         position_ids = torch.from_numpy(rng.integers(0, T, size=(B, T)))
         positions = position_ids.numpy()
     layer_types = list(dict.fromkeys(getattr(config, "layer_types", None) or [None]))
-    if nested:
-        layer_types = [t for t in layer_types if nested.get(t) is not None] or [None]
+    if nested:  # the layer types that have parameters, else the labels that key them
+        layer_types = [t for t in layer_types if nested.get(t) is not None] or [
+            t for t in nested if nested[t] is not None
+        ]
     attentions = _attention_classes(module, module_name, rotary_cls)
     hidden_size = getattr(config, "hidden_size", None) or 8
     extra = {"position_ids": position_ids, "cache_position": torch.arange(T)}
@@ -721,6 +733,12 @@ def _drive(module_name, rotary_name, seed, variant, part):
             if once:
                 return None
             return _nope(attention_cls, layer_type, layer_idx, hidden, embeddings, at_zero)
+        where = f"{attention_cls.__name__}[{layer_type}]"
+        return judge(where, layer_type, q0, k0, q1, k1, embeddings)
+
+    def judge(where, layer_type, q0, k0, q1, k1, embeddings):
+        """(status, detail) of from_hf_config's RoPE against the family's q and k before
+        (q0, k0) and after (q1, k1) its rotation."""
         kw = {"layer_type": layer_type} if nested else {}
         try:
             rope = ar.RoPE.from_hf_config(config, **kw)
@@ -733,7 +751,6 @@ def _drive(module_name, rotary_name, seed, variant, part):
         if not _same_rope(rope, again):
             return WRONG, f"its config as a dict gives {again!r}, the object {rope!r}"
         q0, k0, q1, k1 = (t.numpy() for t in (q0, k0, q1, k1))
-        where = f"{attention_cls.__name__}[{layer_type}]"
         pos, axis = positions, head_axis
         if axial:  # the patches run along one axis of the family's q: positions follow it
             found = [i for i, n in enumerate(q0.shape[:-1]) if n == B * T]
@@ -792,6 +809,26 @@ def _drive(module_name, rotary_name, seed, variant, part):
             best = found
         if best[0] == MATCH:
             break
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if best[0] == UNDRIVEN and apply and list(inspect.signature(apply).parameters)[0] == "x":
+        # an apply function that rotates one tensor, which the attention calls on q and on its
+        # key-value rows (DeepSeek-V4, whose attention takes a cos and sin per label of its rope
+        # parameters): that function alone, on random rows of the config's head size
+        results = []
+        g = torch.Generator().manual_seed(zlib.crc32(rotary_name.encode()) + seed)
+        for layer_type in layer_types:
+            args = (layer_type,) if "layer_type" in forward and layer_type is not None else ()
+            embeddings = rotary(hidden, position_ids, *args)
+            identity = _identity(rotary(hidden, torch.zeros_like(position_ids), *args))
+            q, k = (torch.randn(B, n, T, config.head_dim, generator=g) for n in (4, 1))
+            before, after = (
+                [apply(x, *identity) for x in (q, k)],
+                [apply(x, *embeddings) for x in (q, k)],
+            )
+            where = f"{module_name.split('.')[-1]}.apply_rotary_pos_emb[{layer_type}]"
+            results.append(judge(where, layer_type, *before, *after, embeddings))
+        status = min((r[0] for r in results), key=_RANK.get)
+        best = (status, next(r[1] for r in results if r[0] == status))
     try:
         heads = config.num_attention_heads
     except Exception:  # noqa: BLE001 - none, or one per layer (a heterogeneous config)

@@ -284,7 +284,7 @@ def test_grid_families_read_their_default_rope_as_axial():
         ar.RoPE.from_hf_config({**dinov3, "rope_parameters": yarn})
 
 
-def test_video_trackers_roformer_and_vjepa2():
+def test_video_trackers_roformer_and_the_refused():
     # SAM 2 / SAM 3 trackers and EdgeTAM: the RoPE of the memory attention's heads, in
     # adjacent pairs
     sam2 = {"model_type": "sam2_video", "memory_attention_hidden_size": 256,
@@ -306,3 +306,43 @@ def test_video_trackers_roformer_and_vjepa2():
     vjepa2 = {"model_type": "vjepa2", "hidden_size": 1024, "num_attention_heads": 16}
     with pytest.raises(ar.RopeValueError, match="different angles"):
         ar.RoPE.from_hf_config(vjepa2)
+    dit = {"model_type": "qwen2_5_omni_dit", "hidden_size": 1024, "num_attention_heads": 16,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="first head alone"):
+        ar.RoPE.from_hf_config(dit)
+    # MusicFlamingo's top level is its audio encoder's time rotation; part="text" reads its LM
+    music = {"model_type": "musicflamingo", "head_dim": 1280,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1200.0,
+                                 "partial_rotary_factor": 0.2},
+             "text_config": {"model_type": "qwen2", "hidden_size": 896,
+                             "num_attention_heads": 14, "rope_theta": 1e6}}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="audio encoder's output"):
+        ar.RoPE.from_hf_config(music)
+    assert ar.RoPE.from_hf_config(music, part="text").head_dim == 64
+
+
+def test_rope_parameters_keyed_by_labels():
+    # DeepSeek-V4 keys its rope parameters "main" (its sliding-window layers) and "compress"
+    # (its compressed ones), in adjacent pairs over the last qk_rope_head_dim features; the
+    # config's top-level rope_theta is main's, and each label's own base is the one it reads
+    types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    config = {
+        "model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64,
+        "num_attention_heads": 64, "hidden_size": 4096, "rope_theta": 1e4, "layer_types": types,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125},
+            "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 4.0,
+                         "original_max_position_embeddings": 4096,
+                         "partial_rotary_factor": 0.125},
+        },
+    }  # fmt: skip
+    main = ar.RoPE.from_hf_config(config, layer_type="main")
+    assert (main.head_dim, main.base, main.style, main.scaling) == (64, 1e4, "interleaved", None)
+    compress = ar.RoPE.from_hf_config(config, layer_type="compressed_sparse_attention")
+    assert compress.base == 1.6e5 and isinstance(compress.scaling, ar.scaling.YaRN)
+    ropes = ar.RoPE.from_hf_layers(config)
+    assert list(ropes) == types
+    assert ropes["sliding_attention"].base == 1e4
+    assert ropes["heavily_compressed_attention"].base == 1.6e5
+    with pytest.raises(ar.RopeValueError, match="layer_type must be one of 'main', 'compress'"):
+        ar.RoPE.from_hf_config(config, layer_type="full_attention")

@@ -27,9 +27,6 @@ NOT_DRIVEN = {
     "MusicFlamingoRotaryEmbedding": "its rotary module takes timestamps and a length",
     # the family's own module fails on its config class's defaults
     "HunYuanVLRotaryEmbedding": "its config class gives no mrope_section, which it needs",
-    "DeepseekV4RotaryEmbedding": "its rope parameters are keyed by labels, not layer types",
-    # attention classes this driver cannot build or call alone
-    "Qwen2_5OmniDiTRotaryEmbedding": "a diffusion block with its own attention API",
 }
 
 # Modeling modules that call a rotary apply function through no rotary module of their own, and
@@ -44,6 +41,7 @@ NO_ROTARY_MODULE = {
 REFUSED = {
     "Gemma4VisionRotaryEmbedding": "rotates each block by its own halves",
     "VJEPA2RopeAttention": "the two features of a pair turn by different angles",
+    "Qwen2_5OmniDiTRotaryEmbedding": "rotates its first head alone",
 }
 
 with warnings.catch_warnings():
