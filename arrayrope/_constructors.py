@@ -154,14 +154,18 @@ def from_hf_config(
     layer_type : str, optional
         For a config with one set of rope parameters per layer type (Gemma 3 and 4,
         ModernBERT, OLMo 3: ``"full_attention"``, ``"sliding_attention"``), the layer type
-        whose RoPE to build; required there. :meth:`from_hf_layers` builds them all.
+        whose RoPE to build; required there. A family that keys its parameters by labels
+        (DeepSeek-V4: ``"main"``, ``"compress"``) takes a label or a layer type that maps to
+        one. :meth:`from_hf_layers` builds them all.
     part : {"text", "vision", "audio"}, optional
         The part of a composite config to read: its ``{part}_config``. A vision tower's
-        ``rope_type: "axial"`` gives a two-axis RoPE whose positions are (row, column).
+        ``rope_type: "axial"`` gives a two-axis RoPE whose positions are (row, column), in the
+        order of the family's position ids; so does the default rope of a vision family whose
+        module makes its grid positions itself (DINOv3, Llama 4's vision tower, EfficientLoFTR).
     style : {"half", "interleaved"}, optional
         Overrides the pair style of the model family: "half" (rotate_half) unless the family's
-        code pairs adjacent features (GPT-J, CodeGen, Cohere, DeepSeek-V2, GLM, and any
-        config with ``rope_interleave: true``).
+        code pairs adjacent features (GPT-J, CodeGen, Cohere, DeepSeek-V2 and V4, GLM,
+        RoFormer, SAM's trackers, and any config with ``rope_interleave: true``).
     max_positions : int, optional
         As in :class:`RoPE`.
     angles : {"exact", "transformers"}
