@@ -207,6 +207,9 @@ GRID_FAMILIES = {
 WHOLE_VECTOR_FAMILIES = frozenset({"efficientloftr"})
 # Families whose rotation no RoPE of pairs expresses, with the reason.
 UNEXPRESSED = {
+    "esmfold2": "its rotary module turns atom coordinates (x, y, z) and a per-atom space id, "
+    "not token positions, with a base per kind of axis and pairs left unrotated: its own cos "
+    "and sin go to ar.apply_cos_sin",
     "musicflamingo": "its rotary module turns the audio encoder's output, not heads: its first "
     "2 * n features (n = head_dim * partial_rotary_factor) in adjacent pairs, the first n by a "
     "window axis and the next n by a time axis, both scaled by -2 pi times each token's "

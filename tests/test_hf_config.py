@@ -316,6 +316,8 @@ def test_video_trackers_roformer_and_the_refused():
                                  "partial_rotary_factor": 0.2},
              "text_config": {"model_type": "qwen2", "hidden_size": 896,
                              "num_attention_heads": 14, "rope_theta": 1e6}}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="atom coordinates"):
+        ar.RoPE.from_hf_config({"model_type": "esmfold2", "hidden_size": 1024})
     with pytest.raises(ar.RopeValueError, match="audio encoder's output"):
         ar.RoPE.from_hf_config(music)
     assert ar.RoPE.from_hf_config(music, part="text").head_dim == 64
