@@ -252,7 +252,9 @@ def rotate_into_cache(
     ``R(pos) norm(q)``, for every head of every token; norm is the identity without weights.
     NumPy arrays and torch CPU tensors (under torch.compile, an operator that writes the
     caches and out; not recorded by autograd) on the CPU; CuPy arrays on their device, slots
-    and positions checked on the host.
+    and positions checked on the host. JAX arrays, which cannot be written, on the CPU: the
+    step returns ``(out, k_cache, v_cache)`` with new caches (under jax.jit, donated caches
+    are written in place; not differentiated or batched by vmap).
 
     Parameters
     ----------
@@ -291,7 +293,8 @@ def rotate_into_cache(
     Returns
     -------
     array
-        ``out``, or a new array of q's shape and dtype.
+        ``out``, or a new array of q's shape and dtype; for JAX arrays, the tuple ``(out,
+        k_cache, v_cache)``.
 
     Raises
     ------

@@ -1,10 +1,8 @@
-"""RoPE.rotate_into_cache on torch tensors: plain tensors through views of their memory (NumPy's
-on the CPU, CuPy's on a GPU, on torch's current stream: the caches written where they are), and
-what torch traces, compiles or fakes through the ``arrayrope::rotate_into_cache`` operators
-(``_torch_ops``).
-
-The step writes its caches in place, so arrays that cannot be written are refused: JAX's
-(immutable) and read-only views.
+"""RoPE.rotate_into_cache on torch tensors and JAX arrays. Plain tensors go through views of their
+memory (NumPy's on the CPU, CuPy's on a GPU, on torch's current stream: the caches written where
+they are), and what torch traces, compiles or fakes through the ``arrayrope::rotate_into_cache``
+operators (``_torch_ops``). JAX arrays, which cannot be written, go to ``_jax_cache``, which
+returns new caches. Read-only views are refused.
 """
 
 import sys
@@ -29,10 +27,14 @@ def run(rope, arrays, options):
     q, out = arrays[0], arrays[-1]
     frameworks = {_framework(a) for a in arrays if hasattr(a, "__dlpack__")}
     if frameworks & {"jax", "jaxlib"}:
-        raise RopeTypeError(
-            "rotate_into_cache writes k_cache and v_cache in place, and JAX arrays cannot be "
-            "written: pass NumPy arrays (np.asarray) or torch tensors"
-        )
+        if "torch" in frameworks:
+            raise RopeTypeError(
+                "rotate_into_cache takes the arrays of one framework, got torch tensors and JAX "
+                "arrays"
+            )
+        from . import _jax_cache
+
+        return _jax_cache.rotate_into_cache(rope, arrays, dict(options))
     weights = (options["q_norm"], options["k_norm"])
     if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays + weights):
         return _interop.torch_ops().rotate_into_cache(rope._engine.key, arrays, options)

@@ -177,3 +177,109 @@ def test_vmap_default_positions_of_operands_of_different_ranks():
         np.asarray(jax.jit(lambda a, p: rope.rotate(a, p))(k, halves)),
         rope.rotate(np.asarray(k), np.arange(4, dtype=np.float16)),
     )
+
+
+# rotate_into_cache: JAX arrays cannot be written, so the step returns (out, k_cache, v_cache)
+STEP_ROPE = ar.RoPE(32, style="half", rotary_dim=24)
+
+
+def _step_inputs(seed, n=6, dtype=np.float32, cache_dtype=None, layout="NHD"):
+    """q, k, v (views of one projection), positions across the table's end, the caches (NumPy)
+    and slots with one padding token."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d = 4, 2, 32
+    qkv = rng.standard_normal((n, (hq + 2 * hkv) * d)).astype(dtype)
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].reshape(n, hkv, d)
+    shape = (3, 8, hkv, d) if layout == "NHD" else (3, hkv, 8, d)
+    caches = rng.standard_normal((2, *shape)).astype(cache_dtype or dtype)
+    pos = rng.integers(0, 2**31 - 1, n)
+    pos[: n // 2] = rng.integers(0, 1000, n // 2)
+    slots = rng.permutation(24)[:n]
+    slots[n // 2] = -1
+    return q, k, v, pos, caches[0], caches[1], slots
+
+
+def _numpy_step(rope, q, k, v, pos, k_cache, v_cache, slots, **options):
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    out = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **options)
+    return out, k_cache, v_cache
+
+
+def _same_bits(got, want):
+    for a, b in zip(got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    int_position=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rotate_into_cache_under_jit_equals_the_numpy_step(n, dtype, layout, int_position, seed):
+    q, k, v, pos, k_cache, v_cache, slots = _step_inputs(seed, n, jnp.dtype(dtype), layout=layout)
+    if int_position:
+        pos = int(pos[0])
+    want = _numpy_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots, cache_layout=layout)
+    given = [jnp.asarray(a) for a in (q, k, v, k_cache, v_cache, slots)]
+    p = pos if int_position else jnp.asarray(pos.astype(np.int32))
+
+    def step(q, k, v, k_cache, v_cache, slots):
+        return STEP_ROPE.rotate_into_cache(q, k, v, p, k_cache, v_cache, slots, cache_layout=layout)
+
+    _same_bits(jax.jit(step)(*given), want)
+    _same_bits(given[3:5], (k_cache, v_cache))  # the caches given are not written
+    _same_bits(step(*given), want)  # eager: on copies of the caches
+    _same_bits(given[3:5], (k_cache, v_cache))
+
+
+def test_rotate_into_cache_writes_donated_caches_in_place():
+    q, k, v, pos, k_cache, v_cache, slots = _step_inputs(1)
+    want = _numpy_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots)
+    step = jax.jit(lambda *a: STEP_ROPE.rotate_into_cache(*a), donate_argnums=(4, 5))
+    given = [jnp.asarray(a) for a in (q, k, v, pos.astype(np.int32), k_cache, v_cache, slots)]
+    addresses = [a.unsafe_buffer_pointer() for a in given[4:6]]
+    got = step(*given)
+    _same_bits(got, want)
+    assert [a.unsafe_buffer_pointer() for a in got[1:]] == addresses
+
+
+def test_rotate_into_cache_with_norms_and_a_float8_cache():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v, pos, k_cache, v_cache, slots = _step_inputs(
+        2, dtype=ml_dtypes.bfloat16, cache_dtype=ml_dtypes.float8_e4m3fn, layout="HND"
+    )
+    rng = np.random.default_rng(3)
+    weights = rng.standard_normal((2, 32)).astype(np.float32)
+    options = dict(cache_layout="HND", q_norm=weights[0], k_norm=weights[1], norm_eps=1e-5,
+                   k_scale=0.5, v_scale=2.0)  # fmt: skip
+    want = _numpy_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots, **options)
+    jax_options = options | {"q_norm": jnp.asarray(weights[0]), "k_norm": jnp.asarray(weights[1])}
+    given = [jnp.asarray(a) for a in (q, k, v, pos.astype(np.int32), k_cache, v_cache, slots)]
+    _same_bits(jax.jit(lambda *a: STEP_ROPE.rotate_into_cache(*a, **jax_options))(*given), want)
+    shapes = jax.eval_shape(lambda *a: STEP_ROPE.rotate_into_cache(*a, **jax_options), *given)
+    assert [(s.shape, s.dtype) for s in shapes] == [(a.shape, a.dtype) for a in want]
+
+
+def test_rotate_into_cache_refusals():
+    q, k, v, pos, k_cache, v_cache, slots = _step_inputs(4)
+    given = [jnp.asarray(a) for a in (q, k, v, pos.astype(np.int32), k_cache, v_cache)]
+    twice = jnp.asarray(np.r_[slots[:-1], slots[0]])  # two tokens in one slot
+    with pytest.raises(RopeValueError, match="slots must be distinct"):
+        STEP_ROPE.rotate_into_cache(*given, twice)
+    with pytest.raises(Exception, match="RopeValueError: slots must be distinct"):  # at run
+        jax.jit(lambda *a: STEP_ROPE.rotate_into_cache(*a))(*given, twice)[0].block_until_ready()
+    with pytest.raises(RopeValueError, match="out is not supported for JAX arrays"):
+        STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), out=given[0])
+    with pytest.raises(RopeTypeError, match="inference step"):
+        jax.grad(lambda q: STEP_ROPE.rotate_into_cache(q, *given[1:], slots)[0].sum())(given[0])
+    with pytest.raises(RopeTypeError, match="not batched by vmap"):
+        jax.vmap(lambda q: STEP_ROPE.rotate_into_cache(q, *given[1:], slots)[0])(given[0][None])
+    with pytest.raises(RopeTypeError, match="k_scale must be a number"):
+        STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), k_scale=jnp.asarray(0.5))
