@@ -64,6 +64,20 @@ def main():
     sweep = position_sweep(cupy, np, length)
     for start, us in sweep.items():
         print(f"  start {start:>13,}: {us:9.1f} us  ({us / sweep[0]:.2f}x)")
+    print(
+        "\nrotate_into_cache (q 32 heads, k and v 8, d 128, NHD cache of 16-slot blocks) against "
+        "rotate_qk out= and two scatters, and a copy of the projection, us per call:"
+    )
+    dtypes = [np.float32] + ([ml_dtypes.bfloat16] if bf16 == "yes" else [])
+    for (step, dtype), r in fused_steps(cupy, np, dtypes=dtypes).items():
+        if "error" in r:
+            print(f"  {step:8s} {dtype:9s} FAILED {r['error']}")
+            continue
+        print(
+            f"  {step:8s} {dtype:9s} fused {r['fused']:9.1f}  unfused {r['unfused']:9.1f} "
+            f"({r['unfused'] / r['fused']:.2f}x)  copy {r['copy']:9.1f} "
+            f"({r['copy'] / r['fused']:.2f} of it)  same bits: {r['same']}"
+        )
     print("\nhost-device traffic per decode call (1, 32, 1, 128) float32, counted over 100 calls:")
     for name, counts in decode_traffic(cupy, np).items():
         shown = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in counts.items())
@@ -90,6 +104,68 @@ def position_sweep(cupy, np, length, repeats=20):
             rope.rotate(x, pos, out=out)
         cupy.cuda.Device().synchronize()
         found[start] = (time.perf_counter() - begin) / repeats * 1e6
+    return found
+
+
+def fused_steps(cupy, np, dtypes, steps=(("prefill", 2048), ("decode", 32)), repeats=20):
+    """{(step, dtype name): {"fused", "unfused", "copy": us per call, "same": whether the two
+    steps wrote the same bits}} of ``rope.rotate_into_cache`` on N tokens (q, k and v views of
+    one projection, half style, prefill into consecutive slots, decode at mixed positions into
+    scattered ones), of ``rotate_qk`` with ``out=`` followed by scatters of k and v, and of a
+    copy of the projection (the bytes the fused step reads and writes once each); a failure
+    costs its own entry, as {"error": ...}."""
+    import arrayrope as ar
+
+    hq, hkv, d, block = 32, 8, 128, 16
+    rope = ar.RoPE(d, style="half")
+    rng = np.random.default_rng(0)
+    found = {}
+    for step, n in steps:
+        for dtype in dtypes:
+            name = np.dtype(dtype).name
+            try:
+                qkv = cupy.asarray(rng.standard_normal((n, (hq + 2 * hkv) * d)).astype(dtype))
+                q = qkv[:, : hq * d].reshape(n, hq, d)
+                k = qkv[:, hq * d : (hq + hkv) * d].reshape(n, hkv, d)
+                v = qkv[:, (hq + hkv) * d :].reshape(n, hkv, d)
+                blocks = n // block + 64
+                caches = [cupy.zeros((blocks, block, hkv, d), dtype) for _ in range(4)]
+                if step == "decode":
+                    host_pos = rng.integers(0, 30_000, n)
+                    host_slots = rng.permutation(blocks * block)[:n]
+                else:
+                    host_pos, host_slots = np.arange(n) + 100, np.arange(n) + 4 * block
+                pos, slots = cupy.asarray(host_pos), cupy.asarray(host_slots)
+                per_token = pos[:, None]
+                q_fused, q_out, k_out = cupy.empty_like(q), cupy.empty_like(q), cupy.empty_like(k)
+                rows = [c.reshape(-1, hkv, d) for c in caches[2:]]
+                copy_to = cupy.empty_like(qkv)
+
+                def fused():
+                    rope.rotate_into_cache(q, k, v, pos, caches[0], caches[1], slots, out=q_fused)
+
+                def unfused():
+                    rope.rotate_qk(q, k, per_token, out=(q_out, k_out))
+                    rows[0][slots] = k_out
+                    rows[1][slots] = v
+
+                def copy():
+                    cupy.copyto(copy_to, qkv)
+
+                times = {}
+                for label, call in (("fused", fused), ("unfused", unfused), ("copy", copy)):
+                    call()
+                    cupy.cuda.Device().synchronize()
+                    begin = time.perf_counter()
+                    for _ in range(repeats):
+                        call()
+                    cupy.cuda.Device().synchronize()
+                    times[label] = (time.perf_counter() - begin) / repeats * 1e6
+                written = zip((q_fused, *caches[:2]), (q_out, *caches[2:]))
+                same = all(bool((a.view(np.uint8) == b.view(np.uint8)).all()) for a, b in written)
+                found[step, name] = times | {"same": "yes" if same else "NO"}
+            except Exception as error:  # noqa: BLE001 - reported
+                found[step, name] = {"error": f"{type(error).__name__}: {error}"[:160]}
     return found
 
 

@@ -488,6 +488,22 @@ def test_gpu_check_counts_the_traffic_of_a_decode_call(cp, monkeypatch):
     assert all("error" in found[name] for name in found if name.startswith("numba-cuda"))
 
 
+def test_gpu_check_times_the_fused_step(cp, monkeypatch):
+    # bench/gpu_check.py's fused-step rows, on the stand-in: both steps run, write the same
+    # bits, and a failing case costs its own entry
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
+    from bench.gpu_check import fused_steps
+
+    found = fused_steps(cp, np, [np.float32, BF16], steps=(("prefill", 20), ("decode", 3)),
+                        repeats=1)  # fmt: skip
+    assert list(found) == [(s, t) for s in ("prefill", "decode") for t in ("float32", "bfloat16")]
+    for times in found.values():
+        assert times.get("same") == "yes", times
+        assert min(times[k] for k in ("fused", "unfused", "copy")) > 0
+    found = fused_steps(cp, np, [np.int32], steps=(("decode", 3),), repeats=1)
+    assert "error" in found["decode", "int32"]
+
+
 def test_gpu_check_sweeps_device_positions_past_the_table(cp, monkeypatch):
     # bench/gpu_check.py's position sweep, on the stand-in, and what it times is right
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
