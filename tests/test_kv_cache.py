@@ -505,3 +505,57 @@ def test_a_decode_loop_still_sees_arrays_that_share_memory(rng):
     got = dynamic.rotate_into_cache(q, k, v, far, k_cache, v_cache, slots,
                                     out=elsewhere[n * d :].reshape(n, 1, d))  # fmt: skip
     assert np.array_equal(bits(got), bits(dynamic.rotate(q, far[:, None])))
+
+
+@given(
+    stride=st.integers(1, 24),
+    shapes=st.tuples(*[st.integers(1, 4)] * 6),
+    steps=st.tuples(*[st.integers(1, 6)] * 4),
+    offsets=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+)
+def test_the_launch_sees_every_shared_byte_of_token_rows(stride, shapes, steps, offsets):
+    # The compiled launch tells out from q, k and v of one projection by their tokens' rows:
+    # it may call arrays that share no element overlapping where a row has gaps (then the
+    # general way decides), but never misses an element they share, and tells rows without
+    # gaps apart exactly
+    from arrayrope.backends.cpu._fused_launch import _extent, _rows_meet
+
+    memory = np.zeros(400, np.float32)
+    views = []
+    for (n, h, d), (s1, s2), at in zip(
+        (shapes[:3], shapes[3:]), (steps[:2], steps[2:]), offsets
+    ):  # fmt: skip
+        strides = (stride * 4, s1 * 4, s2 * 4)
+        views.append(np.lib.stride_tricks.as_strided(memory[at:], (n, h, d), strides))
+    a, b = views
+    met = _rows_meet(a, a.ctypes.data, _extent(a), b, b.ctypes.data, _extent(b))
+    shared = np.shares_memory(a, b, max_work=None)
+    assert met or not shared
+    rows = [v.shape[2] == 1 or v.strides[2] == 4 for v in views]
+    rows = [r and (v.shape[1] == 1 or v.strides[1] == v.shape[2] * 4) for r, v in zip(rows, views)]
+    fits = all((v.shape[1] * v.shape[2]) * 4 <= v.strides[0] for v in views)
+    if all(rows) and fits:  # each token's row one run of elements, inside the token stride
+        assert met == shared
+
+
+def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
+    # out=q on views of one projection: out's span meets k's and v's, but no row does
+    from arrayrope import _kv_step
+
+    rope = ar.RoPE(32, style="half")
+    k_cache, v_cache = _caches(rng, 4, 4, 2, 32, np.float32, "NHD")
+    for step in range(3):
+        q, k, v = _qkv(rng, 5, 3, 2, 32, np.float32, True)
+        pos, slots = rng.integers(0, 1000, 5), rng.permutation(16)[:5]
+        want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+        if step == 0:
+            got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q)
+        else:  # the layouts are known: the short way takes the step
+            got = _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, q, "NHD")
+        assert got is q and np.array_equal(q, want_q)
+        assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
+    # out one feature into k's first row: refused by the short way, named by the general way
+    shifted = np.lib.stride_tricks.as_strided(q[0, 0, 1:], q.shape, q.strides)
+    assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, shifted, "NHD") is None
+    with pytest.raises(ar.RopeValueError, match="share memory"):
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=shifted)

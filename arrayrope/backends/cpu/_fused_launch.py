@@ -45,6 +45,40 @@ def _meets(at, extent, other_at, other):
 
 
 @njit
+def _token_bytes(a):
+    """The bytes one token's row of an (N, heads, head_dim) array spans from its first element,
+    or -1 where an axis descends."""
+    if a.strides[1] < 0 or a.strides[2] < 0:
+        return -1
+    return (a.shape[1] - 1) * a.strides[1] + (a.shape[2] - 1) * a.strides[2] + a.itemsize
+
+
+@njit
+def _rows_meet(a, at, extent, b, b_at, b_extent):
+    """Whether two (N, heads, head_dim) arrays share a byte: their spans meet and, where both
+    take one token stride that holds each token's row (views of one fused projection, whose
+    spans interleave), a token's row of one meets a token's row of the other."""
+    if not _meets(at, extent, b_at, b_extent):
+        return False
+    stride = a.strides[0]
+    length, b_length = _token_bytes(a), _token_bytes(b)
+    if stride <= 0 or b.strides[0] != stride or not (0 < length <= stride):
+        return True
+    if not 0 < b_length <= stride:
+        return True
+    # a's token t spans [t s, t s + length) from at, b's token u [delta + u s, ... + b_length):
+    # they meet where delta + (u - t) s lies in (-b_length, length), which only the two
+    # values of delta + k s nearest 0 can
+    delta = b_at - at
+    nearest = delta % stride
+    for gap in (nearest, nearest - stride):
+        k = (gap - delta) // stride
+        if -b_length < gap < length and -(a.shape[0] - 1) <= k <= b.shape[0] - 1:
+            return True
+    return False
+
+
+@njit
 def _strides(a, base, first, second, third):
     """(base, a's element strides along the given axes) as the kernel's int64 offsets; third
     < 0 leaves it out."""
@@ -108,8 +142,15 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
             for other in range(6):
                 if other == w or not _meets(at[w], spans[w], at[other], spans[other]):
                     continue
-                if not (w == 1 and other == 0 and same and q.strides == out.strides):
-                    return OVERLAP
+                if w == 1 and other == 0 and same and q.strides == out.strides:
+                    continue  # in place
+                if w == 1 and other in (0, 2, 3):  # out beside q, k, v in one projection
+                    a, a_extent = (q, spans[0]) if other == 0 else (k, spans[2])
+                    if other == 3:
+                        a, a_extent = v, spans[3]
+                    if not _rows_meet(out, at[1], spans[1], a, at[other], a_extent):
+                        continue
+                return OVERLAP
     qf, qb = _flat(q, spans[0])
     kf, kb = _flat(k, spans[2])
     vf, vb = _flat(v, spans[3])
