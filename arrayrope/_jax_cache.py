@@ -11,6 +11,8 @@ refused, each with the way out.
 This module imports JAX: it is imported only once a JAX array reaches rotate_into_cache.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,13 +45,15 @@ def _entry(call):
     return _jax_ops._calls[call][1:]
 
 
-def _storage(dtype):
-    """(dtype, the dtype its buffer is read as): the types NumPy's array interface does not
-    name (bfloat16, float8) travel as unsigned bits of their size."""
-    dtype = np.dtype(dtype)
-    return dtype, dtype if dtype.kind in "biuf" and dtype.name != "bfloat16" else np.dtype(
-        f"u{dtype.itemsize}"
-    )
+@functools.cache
+def _storage(dtypes):
+    """[(dtype, the dtype its buffer is read as)] of ``dtypes``: the types NumPy's array
+    interface does not name (bfloat16, float8) travel as unsigned bits of their size."""
+    found = []
+    for dtype in dtypes:
+        plain = dtype.kind in "biuf" and dtype.name != "bfloat16"
+        found.append((dtype, dtype if plain else np.dtype(f"u{dtype.itemsize}")))
+    return found
 
 
 def _step(operands, out, k_cache, v_cache, call):
@@ -61,6 +65,12 @@ def _step(operands, out, k_cache, v_cache, call):
     q, k, v = operands[:3]
     pos = operands.pop(3) if kind == "array" else scalar
     slots = operands[5]
+    # JAX's integers are int32 unless x64 is on: int64 ones let a decode loop take the short
+    # way (see _kv_step), and converting N of them costs next to nothing
+    if kind == "array" and pos.dtype.kind in "iu":
+        pos = pos.astype(np.int64)
+    if slots.dtype.kind in "iu":
+        slots = slots.astype(np.int64)
     q_norm, k_norm = (operands.pop(6) if present else None for present in weights)
     _ropes[index].rotate_into_cache(
         q, k, v, pos, k_cache, v_cache, slots, out=out, **dict(options), q_norm=q_norm,
@@ -71,12 +81,10 @@ def _step(operands, out, k_cache, v_cache, call):
 def _run(args, rets, entry):
     """The handler's work for one of this primitive's calls: views of XLA's buffers (the caches'
     results alias their operands)."""
-    dtypes = entry[-1]
-    operands = [_jax_ops._view(args[i], *_storage(d), True) for i, d in enumerate(dtypes)]
+    storage = _storage(entry[-1])
+    operands = [_jax_ops._view(args[i], *kinds, True) for i, kinds in enumerate(storage)]
     written = enumerate((0, *_caches(entry)))  # out has q's dtype, each cache its operand's
-    out, k_cache, v_cache = (
-        _jax_ops._view(rets[i], *_storage(dtypes[j]), False) for i, j in written
-    )
+    out, k_cache, v_cache = (_jax_ops._view(rets[i], *storage[j], False) for i, j in written)
     _step(operands, out, k_cache, v_cache, _jax_ops._call_ids[entry])
 
 
