@@ -32,20 +32,10 @@ sys.path.insert(0, HERE)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 
-def _case(n, dtype, decode, first=0):
-    """The arrays of one step and its three callables: unfused, fused, copy. ``first``: added
-    to every position (past the cache of cos/sin rows at 10**6)."""
-    from numba import njit, prange
-
-    import arrayrope as ar
-
-    @njit(parallel=True, cache=True)
-    def threaded_copy(src, dst):
-        for i in prange(src.size):
-            dst[i] = src[i]
-
+def _arrays(n, dtype, decode, first=0):
+    """q, k, v (views of one projection), positions, the caches and slots of one step, and the
+    projection. ``first``: added to every position (past the cache of cos/sin rows at 10**6)."""
     rng = np.random.default_rng(0)
-    rope = ar.RoPE(D, style="half")
     qkv = rng.standard_normal((n, (HQ + 2 * HKV) * D)).astype(dtype)
     q = qkv[:, : HQ * D].reshape(n, HQ, D)
     k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
@@ -59,6 +49,22 @@ def _case(n, dtype, decode, first=0):
     else:
         pos = np.arange(n) + 100
         slots = np.arange(n) + 4 * BLOCK
+    return q, k, v, pos, k_cache, v_cache, slots, qkv
+
+
+def _case(n, dtype, decode, first=0):
+    """The arrays of one step and its three callables: unfused, fused, copy."""
+    from numba import njit, prange
+
+    import arrayrope as ar
+
+    @njit(parallel=True, cache=True)
+    def threaded_copy(src, dst):
+        for i in prange(src.size):
+            dst[i] = src[i]
+
+    rope = ar.RoPE(D, style="half")
+    q, k, v, pos, k_cache, v_cache, slots, qkv = _arrays(n, dtype, decode, first)
     q_out, k_out = np.empty_like(q), np.empty_like(k)
     k_rows, v_rows = k_cache.reshape(-1, HKV, D), v_cache.reshape(-1, HKV, D)
     per_token = pos[:, None]  # every head at its token's position
@@ -121,15 +127,67 @@ def report(found):
     return "\n".join(lines)
 
 
+def jax_rows(rounds, n=32):
+    """[(case, us per call)] of a decode step of n tokens on JAX arrays under jax.jit with the
+    caches donated: rotate_into_cache, and rotate_qk followed by ``.at[slots].set`` of k and v;
+    the NumPy step in the same run. None without JAX."""
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return None
+    import arrayrope as ar
+    from bench import best_per_call
+
+    rope = ar.RoPE(D, style="half")
+    step = _case(n, np.float32, True)["fused"]
+    q, k, v, pos, k_cache, v_cache, slots, _ = _arrays(n, np.float32, True)
+
+    def unfused_step(q, k, v, pos, k_cache, v_cache, slots):
+        q_rot, k_rot = rope.rotate_qk(q, k, pos[:, None])
+        k_cache = k_cache.reshape(-1, HKV, D).at[slots].set(k_rot).reshape(k_cache.shape)
+        v_cache = v_cache.reshape(-1, HKV, D).at[slots].set(v).reshape(v_cache.shape)
+        return q_rot, k_cache, v_cache
+
+    compiled = {
+        "jax.jit rotate_into_cache": jax.jit(
+            lambda *a: rope.rotate_into_cache(*a), donate_argnums=(4, 5)
+        ),
+        "jax.jit rotate_qk + .at[slots].set": jax.jit(unfused_step, donate_argnums=(4, 5)),
+    }
+    given = [jnp.asarray(a) for a in (q, k, v, pos.astype(np.int32))]
+    given_slots = jnp.asarray(slots.astype(np.int32))
+    calls = {"NumPy rotate_into_cache": step}
+    for name, function in compiled.items():
+        state = [jnp.asarray(k_cache), jnp.asarray(v_cache)]
+
+        def call(function=function, state=state):
+            result = function(*given, *state, given_slots)
+            state[:] = result[1:]  # the donated caches' successors
+            result[0].block_until_ready()
+
+        calls[name] = call
+    best = best_per_call(calls, rounds, 100)
+    return [(name, seconds * 1e6) for name, seconds in best.items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--jax", action="store_true", help="also a decode step on JAX arrays")
     args = parser.parse_args()
     print(
         f"rotate_into_cache, q {HQ} heads, k and v {HKV}, d {D}, NHD cache of {BLOCK}-slot "
         "blocks (best of rounds):"
     )
     print(report(rows(5 if args.quick else 15)))
+    if args.jax:
+        found = jax_rows(5 if args.quick else 15)
+        print("\ndecode, 32 tokens, caches donated, us per call:")
+        if found is None:
+            print("  JAX is not installed")
+        for name, us in found or []:
+            print(f"  {name:36s} {us:8.1f}")
 
 
 if __name__ == "__main__":
