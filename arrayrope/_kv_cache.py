@@ -306,14 +306,14 @@ def rotate_into_cache(
 
     plain = q_norm is None and k_norm is None and k_scale is None and v_scale is None
     plain = plain and seq_len is None and norm_eps is EPS
-    if plain:
-        done = step(self, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
-        if done is not None:
-            return done
     spec = self._spec
-    key = (
-        step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout) if plain else None
-    )
+    key = None
+    if plain:
+        key = step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
+        if key is not None:
+            done = step(self, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key)
+            if done is not None:
+                return done
     d = spec.head_dim
     arrays = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
     given = arrays | ({} if out is None else {"out": out})

@@ -49,13 +49,15 @@ def _plain_numbers(dtype):
     return np.array((EPS, 1.0, 1.0), dtype)
 
 
-def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
+def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=None):
     """A decode loop's call, whose layouts an earlier call has checked (see remember): what
     depends on the call alone (slots, positions in the cached table, no array written into
-    another's memory) is checked in the compiled launch. Returns the result, or None with
-    nothing written where the general way must take the call (which names what is wrong)."""
+    another's memory) is checked in the compiled launch. ``key``: the call's step_key, where
+    the caller has it. Returns the result, or None with nothing written where the general way
+    must take the call (which names what is wrong)."""
     spec = rope._spec
-    key = step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
+    if key is None:
+        key = step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
     found = None if key is None else _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
