@@ -185,7 +185,7 @@ def rope_from_hf_config(cls, config, style, max_positions, layer_type, part, ang
         model_type = cfg.get("model_type")
         which = "its layers" if layer_type is None else f"layers of type {layer_type!r}"
         switch = layouts.ROPE_SWITCHES.get(model_type)
-        why = f" with {switch} off" if switch else ""
+        why = f" with {switch[0]} off" if switch else ""
         raise RopeValueError(f"{which} of model_type {model_type!r} take no RoPE{why}")
     return _rope(cls, cfg, style, max_positions, layer_type, angles)
 
@@ -229,6 +229,10 @@ def _rope(cls, cfg, style, max_positions, layer_type, angles):
         )
         if model_type in layouts.WHOLE_VECTOR_FAMILIES:
             head_dim = read.integer(cfg, "hidden_size")
+            if head_dim is None:
+                raise RopeValueError(
+                    f"config of model_type {model_type!r} has no hidden_size, the width it rotates"
+                )
         rotary_dim, blocks, pair_axis, order = layouts.axial(model_type, head_dim, theta)
         return _build(
             cls, head_dim, rotary_dim, style, theta, max_positions, None,

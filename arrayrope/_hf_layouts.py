@@ -93,7 +93,8 @@ NO_ROPE_BY_FAMILY = {
     )
 }  # fmt: skip
 # Families whose attention takes a RoPE only where a config field says so.
-ROPE_SWITCHES = {"zamba2": "use_mem_rope", "clvp_encoder": "use_rotary_embedding"}
+# (field, its default where a config leaves it out)
+ROPE_SWITCHES = {"zamba2": ("use_mem_rope", False), "clvp_encoder": ("use_rotary_embedding", True)}
 
 
 def derived_rotary_dim(cfg):
@@ -116,7 +117,7 @@ def has_rope(cfg, layer_type):
     of the config fields ``cfg``."""
     model_type = cfg.get("model_type")
     switch = ROPE_SWITCHES.get(model_type)
-    if switch is not None and not cfg.get(switch):
+    if switch is not None and not cfg.get(*switch):
         return False
     return layer_type not in NO_ROPE_LAYER_TYPES and layer_type not in NO_ROPE_BY_FAMILY.get(
         model_type, ()

@@ -32,6 +32,13 @@ def run(rope, arrays, options):
                 "rotate_into_cache takes the arrays of one framework, got torch tensors and JAX "
                 "arrays"
             )
+        data = dict(zip(("q", "k", "v", "k_cache", "v_cache"), arrays[:3] + arrays[4:6]))
+        others = [n for n, a in data.items() if _framework(a) not in ("jax", "jaxlib")]
+        if others:  # a NumPy cache would be left unwritten: the JAX step returns new caches
+            raise RopeTypeError(
+                f"with JAX arrays, q, k, v and the caches must all be JAX arrays; "
+                f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not"
+            )
         from . import _jax_cache
 
         return _jax_cache.rotate_into_cache(rope, arrays, dict(options))

@@ -281,5 +281,7 @@ def test_rotate_into_cache_refusals():
         jax.grad(lambda q: STEP_ROPE.rotate_into_cache(q, *given[1:], slots)[0].sum())(given[0])
     with pytest.raises(RopeTypeError, match="not batched by vmap"):
         jax.vmap(lambda q: STEP_ROPE.rotate_into_cache(q, *given[1:], slots)[0])(given[0][None])
+    with pytest.raises(RopeTypeError, match="k_cache, v_cache are not"):  # left unwritten
+        STEP_ROPE.rotate_into_cache(*given[:4], k_cache, v_cache, jnp.asarray(slots))
     with pytest.raises(RopeTypeError, match="k_scale must be a number"):
         STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), k_scale=jnp.asarray(0.5))

@@ -7,6 +7,8 @@ scaled RoPEs; with norm, within float32 rounding of a float64 oracle; with float
 float8 rounding. Refusals write nothing.
 """
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -559,3 +561,25 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
     assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, shifted, "NHD") is None
     with pytest.raises(ar.RopeValueError, match="share memory"):
         rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=shifted)
+
+
+def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):
+    # q, k and v read-only in one process (JAX's buffers always are), writable in the next:
+    # both load fused_step's one build from the disk cache and run
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np, arrayrope as ar\n"
+        "rope = ar.RoPE(32, style='half')\n"
+        "q, k = np.ones((3, 4, 32), np.float32), np.ones((3, 2, 32), np.float32)\n"
+        "v, kc = k.copy(), np.zeros((2, 4, 2, 32), np.float32)\n"
+        "if sys.argv[1] == 'read-only':\n"
+        "    [a.setflags(write=False) for a in (q, k, v)]\n"
+        "rope.rotate_into_cache(q, k, v, np.arange(3), kc, kc.copy(), np.arange(3))\n"
+        "assert np.array_equal(kc[0, :3], rope.rotate(k, np.arange(3)[:, None]))\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for kind in ("read-only", "writable", "writable"):
+        done = subprocess.run([sys.executable, "-c", script, kind], env=env, timeout=600)
+        assert done.returncode == 0, kind

@@ -264,9 +264,30 @@ def parallel(q, k):
     return size >= _config.CONFIG.serial_below
 
 
+class _Alias:
+    """An object NumPy views through the array interface: another array's memory."""
+
+    __slots__ = ("__array_interface__",)
+
+
+def _writable(a):
+    """``a``, or where it is read-only a writable alias of its memory: fused_step has one build
+    per dtype combination, and a read-only operand would type a second build, whose disk-cache
+    entry a later process can load for writable arrays (the step writes only out and the
+    caches, which are writable)."""
+    if not isinstance(a, np.ndarray) or a.flags.writeable:
+        return a
+    alias = _Alias()
+    face = dict(a.__array_interface__)
+    face["data"] = (face["data"][0], False)
+    alias.__array_interface__ = face
+    return np.asarray(alias)
+
+
 def run(args, n, threaded):
     """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
     launch them, in ranges of tokens a few per thread."""
+    args = tuple(_writable(a) for a in args)
     if threaded and _config.threads_usable():
         return _config.run_parallel(_step, *args, min(n, 16 * numba.get_num_threads()))
     return _step(*args, 0)
