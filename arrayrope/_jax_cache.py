@@ -11,8 +11,6 @@ refused, each with the way out.
 This module imports JAX: it is imported only once a JAX array reaches rotate_into_cache.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,17 +43,6 @@ def _entry(call):
     return _jax_ops._calls[call][1:]
 
 
-@functools.cache
-def _storage(dtypes):
-    """[(dtype, the dtype its buffer is read as)] of ``dtypes``: the types NumPy's array
-    interface does not name (bfloat16, float8) travel as unsigned bits of their size."""
-    found = []
-    for dtype in dtypes:
-        plain = dtype.kind in "biuf" and dtype.name != "bfloat16"
-        found.append((dtype, dtype if plain else np.dtype(f"u{dtype.itemsize}")))
-    return found
-
-
 def _step(operands, out, k_cache, v_cache, call):
     """The NumPy step on ``operands`` (q, k, v, pos?, k_cache, v_cache, slots, q_norm?,
     k_norm?, as NumPy arrays), writing ``out`` and the caches (which already hold the caches
@@ -81,7 +68,7 @@ def _step(operands, out, k_cache, v_cache, call):
 def _run(args, rets, entry):
     """The handler's work for one of this primitive's calls: views of XLA's buffers (the caches'
     results alias their operands)."""
-    storage = _storage(entry[-1])
+    storage = [_jax_ops._storage(dtype) for dtype in entry[-1]]
     operands = [_jax_ops._view(args[i], *kinds, True) for i, kinds in enumerate(storage)]
     written = enumerate((0, *_caches(entry)))  # out has q's dtype, each cache its operand's
     out, k_cache, v_cache = (_jax_ops._view(rets[i], *storage[j], False) for i, j in written)

@@ -19,6 +19,7 @@ This module imports JAX: it is imported only once a traced JAX array has been se
 """
 
 import ctypes
+import functools
 import threading
 
 import jax
@@ -182,9 +183,13 @@ def _call_id(call):
     return found
 
 
+@functools.cache
 def _storage(dtype):
-    """(dtype, the dtype its buffer is read as): bfloat16 travels as its 16 bits."""
-    return dtype, np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
+    """(dtype, the dtype its buffer is read as): the types NumPy's array interface does not name
+    (bfloat16, float8) travel as unsigned bits of their size."""
+    dtype = np.dtype(dtype)
+    plain = dtype.kind in "biuf" and dtype.name != "bfloat16"
+    return dtype, dtype if plain else np.dtype(f"u{dtype.itemsize}")
 
 
 def _handle(frame_pointer):

@@ -187,6 +187,7 @@ def _specialized(args):
     """Compile fused_step for ``args`` with its six operands typed as of any layout (Numba
     then calls that build with arrays of every layout: C arrays convert to it)."""
     global _built
+    args = tuple(_writable(a) for a in args)
     signature = tuple(
         numba.typeof(a).copy(layout="A") if i < 6 else numba.typeof(a) for i, a in enumerate(args)
     )
@@ -200,12 +201,18 @@ def _specialized(args):
 
 
 def _step(*args):
-    """fused_step(*args), compiling it first for a new dtype combination."""
+    """fused_step(*args), compiling it first for a new dtype combination; read-only operands
+    through writable aliases (see _writable)."""
     if not _built:
         _specialized(args)
     try:
         return fused_step(*args)
-    except TypeError:  # no build for these types yet (Numba raises before running anything)
+    except TypeError:  # no build for these types (Numba raises before running anything)
+        pass
+    args = tuple(_writable(a) for a in args)
+    try:
+        return fused_step(*args)
+    except TypeError:  # a new dtype combination
         _specialized(args)
     return fused_step(*args)
 
@@ -273,8 +280,8 @@ class _Alias:
 def _writable(a):
     """``a``, or where it is read-only a writable alias of its memory: fused_step has one build
     per dtype combination, and a read-only operand would type a second build, whose disk-cache
-    entry a later process can load for writable arrays (the step writes only out and the
-    caches, which are writable)."""
+    entry a later process can load for writable arrays and crash (the step writes only out and
+    the caches, which are writable)."""
     if not isinstance(a, np.ndarray) or a.flags.writeable:
         return a
     alias = _Alias()
@@ -287,7 +294,6 @@ def _writable(a):
 def run(args, n, threaded):
     """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
     launch them, in ranges of tokens a few per thread."""
-    args = tuple(_writable(a) for a in args)
     if threaded and _config.threads_usable():
         return _config.run_parallel(_step, *args, min(n, 16 * numba.get_num_threads()))
     return _step(*args, 0)
