@@ -19,6 +19,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _jax_ops
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
+from ._kv_layout import check_layout
 
 _KIND = "rotate_into_cache"
 # Operands in order; pos, q_norm and k_norm are present where the call's entry says so.
@@ -162,6 +163,7 @@ def rotate_into_cache(rope, arrays, options):
             "out is not supported for JAX arrays, which are immutable: rotate_into_cache "
             "returns (out, k_cache, v_cache)"
         )
+    check_layout(options["cache_layout"])
     kind, scalar, position = _jax_ops._positions(pos)
     weights = [options.pop(name) for name in ("q_norm", "k_norm")]
     operands = [jnp.asarray(a) for a in (q, k, v, *position, k_cache, v_cache, slots)]

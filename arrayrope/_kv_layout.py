@@ -38,12 +38,18 @@ def _operand(name, a, shape, dtype, family, written=False):
         )
 
 
+def check_layout(cache_layout):
+    """Refuse a ``cache_layout`` other than the names of LAYOUTS (checked where a framework
+    route keys its call by it, before anything runs)."""
+    if not (isinstance(cache_layout, str) and cache_layout in LAYOUTS):
+        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
+
+
 def layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     """(N, Hq, Hkv, block_size) after the checks that the arrays' layouts settle: shapes,
     dtypes, the cache layout, and the written arrays' flags and strides. Kept per layout (a
     decode loop brings the same arrays' layouts each step, at new addresses)."""
-    if not (isinstance(cache_layout, str) and cache_layout in LAYOUTS):
-        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {cache_layout!r}")
+    check_layout(cache_layout)
     key = (d, cache_layout) + tuple(
         None if a is None else (a.shape, a.strides, a.dtype, _flags(a, family))
         for a in (q, k, v, k_cache, v_cache, out)

@@ -17,6 +17,7 @@ import torch
 
 from . import _torch_lowered
 from ._errors import RopeTypeError, RopeValueError
+from ._kv_layout import check_layout
 from ._spec import check_inverse
 from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
 
@@ -255,8 +256,7 @@ def rotate_into_cache(key, arrays, options):
             raise RopeTypeError(f"{name} must be a number, got {type(value).__name__}")
         numbers.append(None if value is None else float(value))
     layout = options["cache_layout"]
-    if not isinstance(layout, str):
-        raise RopeValueError(f"cache_layout must be 'NHD' or 'HND', got {layout!r}")
+    check_layout(layout)
     tail = (key, layout, *weights, *numbers, options["seq_len"])
     step = (q, k, v, tensor, as_int, as_float, k_cache, v_cache, slots)
     if out is None:

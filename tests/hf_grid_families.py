@@ -334,7 +334,9 @@ def _roformer(module, rng):
 
 
 def _vjepa2(module, rng):
-    """V-JEPA 2: its own rotation function on one axis' block, whose norm it does not keep."""
+    """V-JEPA 2: its own rotation function on one axis' block. Its code pairs adjacent features
+    but takes cos and sin tiled as for rotate_half pairs, so the two features of a pair turn by
+    different angles: no rotation (the norm is not kept), so no RoPE of pairs."""
     import torch
 
     x = _hidden(rng, 1, 1, 6, 20)
@@ -343,12 +345,6 @@ def _vjepa2(module, rng):
     kept = torch.allclose(x.norm(dim=-1), y.norm(dim=-1), rtol=1e-5)
     return module.VJEPA2Config(), kept, None
 
-
-NOT_A_ROTATION = {
-    "VJEPA2RopeAttention": "its code pairs adjacent features but takes cos and sin tiled as for "
-    "rotate_half pairs, so the two features of a pair turn by different angles: no rotation "
-    "(it does not keep the norm), so no RoPE of pairs"
-}
 
 # the driver of each class: its rotary class, or where it has none, the class holding its rotation
 _DRIVERS = {

@@ -285,3 +285,8 @@ def test_rotate_into_cache_refusals():
         STEP_ROPE.rotate_into_cache(*given[:4], k_cache, v_cache, jnp.asarray(slots))
     with pytest.raises(RopeTypeError, match="k_scale must be a number"):
         STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), k_scale=jnp.asarray(0.5))
+    for layout in (["NHD"], "THD"):  # refused before the call is traced, under jit too
+        with pytest.raises(RopeValueError, match="cache_layout must be"):
+            jax.jit(lambda *a, lay=layout: STEP_ROPE.rotate_into_cache(*a, cache_layout=lay))(
+                *given, jnp.asarray(slots)
+            )

@@ -556,11 +556,16 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
             got = _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, q, "NHD")
         assert got is q and np.array_equal(q, want_q)
         assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
-    # out one feature into k's first row: refused by the short way, named by the general way
-    shifted = np.lib.stride_tricks.as_strided(q[0, 0, 1:], q.shape, q.strides)
-    assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, shifted, "NHD") is None
-    with pytest.raises(ar.RopeValueError, match="share memory"):
-        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=shifted)
+    # out over k's rows alone, or v's alone (each token's row: q, k, 32 spare features, v):
+    # refused by the short way, named by the general way
+    row = rng.standard_normal((5, 256)).astype(np.float32)
+    q, k, v = (row[:, a:b].reshape(5, -1, 32) for a, b in ((0, 96), (96, 160), (192, 256)))
+    rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q)  # out's layout known
+    for out in (row[:, 96:192], row[:, 160:256]):
+        out = out.reshape(5, 3, 32)
+        assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, out, "NHD") is None
+        with pytest.raises(ar.RopeValueError, match="share memory"):
+            rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
 
 
 def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):
