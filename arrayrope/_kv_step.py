@@ -61,11 +61,17 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
     found = None if key is None else _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
-    settings, threaded, dtype, bits = found
+    settings, threaded, dtype, bits, past_the_cap = found
     freqs = rope._engine.freq_set(None).tables
-    tables = freqs.existing(None, dtype)
-    if tables is None:  # a loop that starts past the cache: the cache's first rows, once
-        tables = freqs.cached(np, None, dtype, 0)
+    if past_the_cap[0]:  # a long context: each token's row made for the call at once
+        rows = _made_rows(freqs, dtype, pos)
+        if rows is None:
+            return None
+    else:
+        tables = freqs.existing(None, dtype)
+        if tables is None:  # a loop that starts past the cache: the cache's first rows, once
+            tables = freqs.cached(np, None, dtype, 0)
+        rows = (pos, tables[0], tables[1])
     from .backends.cpu import _fused_launch
 
     if out is None:
@@ -74,34 +80,46 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
     if bits:
         arrays = tuple(_fused_launch.bits_view(a) for a in arrays)
     weight = no_weight(dtype)
-    args = (
-        *arrays, slots, pos, tables[0], tables[1], weight, weight, _plain_numbers(dtype),
-        settings,
-    )  # fmt: skip
+    args = (*arrays, slots, *rows, weight, weight, _plain_numbers(dtype), settings)
     status = _fused_launch.run(args, q.shape[0], threaded)
-    if status == _fused_launch.PAST_THE_TABLE:
-        args = _past_the_table(freqs, dtype, pos, args)
-        if args is None:
+    if status == _fused_launch.PAST_THE_TABLE and not past_the_cap[0]:
+        rows = _past_the_table(freqs, dtype, pos)
+        if rows is None:
             return None
-        status = _fused_launch.run(args, q.shape[0], threaded)
+        # past the cap, the next calls of these layouts make their rows first
+        past_the_cap[0] = rows[0] is not pos
+        status = _fused_launch.run(args[:7] + rows + args[10:], q.shape[0], threaded)
     return None if status else out
 
 
-def _past_the_table(freqs, dtype, pos, args):
-    """The launch's arguments for positions past the cached table: the table grown to them
-    where its cap allows, else each token's row made from the level tables for the call (a
-    long context), as the general way makes them. None for a position outside [0, 2**31)
-    (the general way names it). The launch checks the positions again, on its own copy."""
+def _past_the_table(freqs, dtype, pos):
+    """(table rows, cos, sin) of the launch for positions past the cached table: the table
+    grown to them where its cap allows, else each token's row made from the level tables for
+    the call (a long context), as the general way makes them. None for a position outside
+    [0, 2**31) (the general way names it). The launch checks the positions again, on its own
+    copy."""
     low, high = int(pos.min()), int(pos.max())
     if low < 0:
         return None
     grown = freqs.cached(np, None, dtype, high)
     if grown is not None:
-        return args[:8] + (grown[0], grown[1]) + args[10:]
+        return pos, grown[0], grown[1]
+    return _made_rows(freqs, dtype, pos)
+
+
+def _made_rows(freqs, dtype, pos):
+    """(table rows, cos, sin) of the launch with each token's row made for the call from the
+    level tables, the values the cached table holds at any position; None for a position
+    outside [0, 2**31)."""
     made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
-    if made is None:
-        return None
-    return args[:7] + (np.arange(pos.shape[0], dtype=np.int64), made[0], made[1]) + args[10:]
+    return None if made is None else (_tokens(pos.shape[0]), made[0], made[1])
+
+
+@functools.cache
+def _tokens(n):
+    """0..n-1: the rows made for a call's n tokens, one array per n, never written (and
+    left writable: a read-only operand would miss the launch's build, see _fused_launch)."""
+    return np.arange(n, dtype=np.int64)
 
 
 def remember(key, spec, arrays, block, layout, cos, sin):
@@ -120,4 +138,5 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     )
     settings = _fused_launch.settings(spec, block, layout, vector, True)
     bits = _fused_launch.bits_of(q.dtype) is not None
-    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits))
+    # the last element: whether this layout's calls went past the table's cap (see step)
+    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits, [False]))

@@ -377,13 +377,16 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
     # From the second step on, a loop's layouts are known (kept per layout): each step still
     # gets rotate_qk's and a scatter's bits, and what a step's own values get wrong is refused
     # with nothing written
+    from arrayrope import _kv_step
+
     rope = ar.RoPE(16, style="half", max_positions=64)
     n, hq, hkv, d = 4, 3, 2, 16
     k_cache, v_cache = _caches(rng, 4, 4, hkv, d, dtype, "HND")
-    for step in range(6):
+    for step in range(8):
         q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
-        # positions inside the table, then past it (64 rows)
-        pos = rng.integers(0, 60, n) if step < 4 else rng.integers(64, 2**31, n)
+        # positions inside the table, then past it (64 rows), then inside it again (rows made
+        # for the call once a loop has gone past the cap)
+        pos = rng.integers(64, 2**31, n) if 4 <= step < 6 else rng.integers(0, 60, n)
         slots = rng.permutation(16)[:n].astype(np.int64)
         want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
         expected_k, expected_v = _rows(k_cache, "HND").copy(), _rows(v_cache, "HND").copy()
@@ -395,6 +398,8 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
         assert np.array_equal(bits(got), bits(want_q))
         assert np.array_equal(bits(_rows(k_cache, "HND")), bits(expected_k))
         assert np.array_equal(bits(_rows(v_cache, "HND")), bits(expected_v))
+        key = _kv_step.step_key(rope._spec, q, k, v, pos, k_cache, v_cache, slots, out, "HND")
+        assert _kv_step._steps.get(key)[-1] == [step >= 4]  # whether past the cap
     q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
     before = k_cache.copy(), v_cache.copy(), q.copy()
     bad = {
