@@ -250,6 +250,26 @@ def test_rotate_into_cache_writes_donated_caches_in_place():
     assert [a.unsafe_buffer_pointer() for a in got[1:]] == addresses
 
 
+def test_a_jit_decode_loop_takes_the_launchs_own_build(monkeypatch):
+    # XLA's operand buffers reach the fused launch as writable views: a read-only operand would
+    # miss its build on every step (a type miss in Numba's dispatcher, then aliases)
+    from arrayrope.backends.cpu import _fused_launch
+
+    q, k, v, pos, k_cache, v_cache, slots = _step_inputs(2)
+    step = jax.jit(lambda *a: STEP_ROPE.rotate_into_cache(*a), donate_argnums=(4, 5))
+    given = [jnp.asarray(a) for a in (q, k, v, pos.astype(np.int32), k_cache, v_cache, slots)]
+    given[4:6] = step(*given)[1:]  # the first step goes the general way and compiles
+
+    def missed(a):
+        raise AssertionError("a read-only operand reached the fused launch")
+
+    monkeypatch.setattr(_fused_launch, "_writable", missed)
+    for _ in range(2):
+        got = step(*given)
+        given[4:6] = got[1:]
+    got[0].block_until_ready()
+
+
 def test_rotate_into_cache_with_norms_and_a_float8_cache():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, k, v, pos, k_cache, v_cache, slots = _step_inputs(

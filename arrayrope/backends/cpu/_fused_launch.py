@@ -202,7 +202,9 @@ def _specialized(args):
 
 def _step(*args):
     """fused_step(*args), compiling it first for a new dtype combination; read-only operands
-    through writable aliases (see _writable)."""
+    through writable aliases (see _writable), after a type miss: that way in costs Numba's
+    dispatcher hundreds of microseconds, so callers that hold read-only buffers they know are
+    not written (JAX's) pass writable views."""
     if not _built:
         _specialized(args)
     try:
