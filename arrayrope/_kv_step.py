@@ -13,6 +13,17 @@ EPS = 1e-6  # norm_eps's default: a call that leaves it may take the short way
 _NDARRAY = np.ndarray
 
 
+def _writeable_bit():
+    """The bit of ``ndarray.flags.num`` that says an array is writable."""
+    writable = np.empty(0).view()
+    read_only = writable.view()
+    read_only.flags.writeable = False
+    return writable.flags.num ^ read_only.flags.num
+
+
+_WRITEABLE = _writeable_bit()
+
+
 @functools.cache
 def no_weight(dtype):
     """The kernel's empty weights of ``dtype`` (no norm), one array per dtype, never written."""
@@ -61,7 +72,7 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
     found = None if key is None else _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
-    settings, threaded, dtype, bits, past_the_cap = found
+    settings, threaded, dtype, bits, read_only, past_the_cap = found
     freqs = rope._engine.freq_set(None).tables
     if past_the_cap[0]:  # a long context: each token's row made for the call at once
         rows = _made_rows(freqs, dtype, pos)
@@ -81,6 +92,8 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
         arrays = tuple(_fused_launch.bits_view(a) for a in arrays)
     weight = no_weight(dtype)
     args = (*arrays, slots, *rows, weight, weight, _plain_numbers(dtype), settings)
+    if read_only:
+        args = tuple(_fused_launch.writable(a) for a in args)
     status = _fused_launch.run(args, q.shape[0], threaded)
     if status == _fused_launch.PAST_THE_TABLE and not past_the_cap[0]:
         rows = _past_the_table(freqs, dtype, pos)
@@ -138,5 +151,9 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     )
     settings = _fused_launch.settings(spec, block, layout, vector, True)
     bits = _fused_launch.bits_of(q.dtype) is not None
+    # whether an operand is read-only, from the key's flags: the launch takes such operands
+    # through writable aliases (see _fused_launch.writable), made here at no cost to the rest
+    read_only = any(not flags & _WRITEABLE for *_, flags in key[-1])
     # the last element: whether this layout's calls went past the table's cap (see step)
-    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits, [False]))
+    entry = (settings, _fused_launch.parallel(q, k), dtype, bits, read_only, [False])
+    _steps.put(key, entry)

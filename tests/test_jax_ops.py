@@ -263,7 +263,7 @@ def test_a_jit_decode_loop_takes_the_launchs_own_build(monkeypatch):
     def missed(a):
         raise AssertionError("a read-only operand reached the fused launch")
 
-    monkeypatch.setattr(_fused_launch, "_writable", missed)
+    monkeypatch.setattr(_fused_launch, "writable", missed)
     for _ in range(2):
         got = step(*given)
         given[4:6] = got[1:]

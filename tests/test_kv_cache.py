@@ -573,6 +573,34 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
             rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
 
 
+def test_a_loop_on_read_only_inputs_takes_the_launchs_own_build(rng, monkeypatch):
+    # read-only q, k, v and positions (np.asarray of a JAX array is read-only): from the second
+    # step on, the short way aliases them before the launch, which then finds its build (a type
+    # miss costs Numba's dispatcher more than the step)
+    from arrayrope.backends.cpu import _fused_launch
+
+    real = _fused_launch.fused_step
+
+    def launch(*args):
+        assert all(a.flags.writeable for a in args if isinstance(a, np.ndarray))
+        return real(*args)
+
+    rope = ar.RoPE(32, style="half")
+    k_cache, v_cache = _caches(rng, 4, 4, 2, 32, np.float32, "NHD")
+    for step in range(3):
+        q, k, v = _qkv(rng, 5, 3, 2, 32, np.float32, True)
+        pos, slots = rng.integers(0, 10**6, 5), rng.permutation(16)[:5]
+        for a in (q, k, v, pos):
+            a.flags.writeable = False
+        if step == 1:
+            monkeypatch.setattr(_fused_launch, "fused_step", launch)
+        want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+        got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+        assert np.array_equal(got, want_q)
+        assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
+        assert np.array_equal(_rows(v_cache, "NHD")[slots], v)
+
+
 def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):
     # q, k and v read-only in one process (JAX's buffers always are), writable in the next:
     # both load fused_step's one build from the disk cache and run

@@ -187,7 +187,7 @@ def _specialized(args):
     """Compile fused_step for ``args`` with its six operands typed as of any layout (Numba
     then calls that build with arrays of every layout: C arrays convert to it)."""
     global _built
-    args = tuple(_writable(a) for a in args)
+    args = tuple(writable(a) for a in args)
     signature = tuple(
         numba.typeof(a).copy(layout="A") if i < 6 else numba.typeof(a) for i, a in enumerate(args)
     )
@@ -202,16 +202,17 @@ def _specialized(args):
 
 def _step(*args):
     """fused_step(*args), compiling it first for a new dtype combination; read-only operands
-    through writable aliases (see _writable), after a type miss: that way in costs Numba's
-    dispatcher hundreds of microseconds, so callers that hold read-only buffers they know are
-    not written (JAX's) pass writable views."""
+    through writable aliases (see writable), after a type miss: that way in costs Numba's
+    dispatcher hundreds of microseconds, so the decode loop's short way aliases the read-only
+    operands its layouts record before it launches, and JAX's route passes writable views of
+    the buffers it knows are only read."""
     if not _built:
         _specialized(args)
     try:
         return fused_step(*args)
     except TypeError:  # no build for these types (Numba raises before running anything)
         pass
-    args = tuple(_writable(a) for a in args)
+    args = tuple(writable(a) for a in args)
     try:
         return fused_step(*args)
     except TypeError:  # a new dtype combination
@@ -279,7 +280,7 @@ class _Alias:
     __slots__ = ("__array_interface__",)
 
 
-def _writable(a):
+def writable(a):
     """``a``, or where it is read-only a writable alias of its memory: fused_step has one build
     per dtype combination, and a read-only operand would type a second build, whose disk-cache
     entry a later process can load for writable arrays and crash (the step writes only out and
