@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _jax_ops
+from . import _arrays, _jax_ops, _kv_layout
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 from ._kv_layout import check_layout
 
@@ -156,6 +156,24 @@ for _platform in ("cuda", "rocm"):
     mlir.register_lowering(rotate_into_cache_p, _no_device_lowering, platform=_platform)
 
 
+def _check_shapes(rope, arrays, cache_layout):
+    """The general way's checks of shapes, dtypes and the cache layout on ``arrays`` (q, k, v,
+    k_cache, v_cache), before the call is traced: a refusal then is a RopeError here, not an
+    error inside XLA's run of the call. They read only shapes and dtypes, so C-ordered
+    stand-ins over one element carry them (never read)."""
+    check_layout(cache_layout)
+
+    def stand_in(a):
+        a = jnp.asarray(a) if not hasattr(a, "shape") else a
+        dtype = np.dtype(a.dtype)
+        strides = np.cumprod((1, *a.shape[:0:-1]))[::-1] * dtype.itemsize
+        return np.lib.stride_tricks.as_strided(np.empty(1, dtype), a.shape, tuple(strides))
+
+    _kv_layout.checked_layout(
+        rope.head_dim, *map(stand_in, arrays), None, cache_layout, _arrays.NUMPY
+    )
+
+
 def rotate_into_cache(rope, arrays, options):
     """(out, k_cache, v_cache) of ``rope.rotate_into_cache`` on ``arrays`` (q, k, v, pos,
     k_cache, v_cache, slots, out), some of them JAX arrays; ``options`` are its keyword
@@ -166,7 +184,7 @@ def rotate_into_cache(rope, arrays, options):
             "out is not supported for JAX arrays, which are immutable: rotate_into_cache "
             "returns (out, k_cache, v_cache)"
         )
-    check_layout(options["cache_layout"])
+    _check_shapes(rope, (q, k, v, k_cache, v_cache), options["cache_layout"])
     kind, scalar, position = _jax_ops._positions(pos)
     weights = [options.pop(name) for name in ("q_norm", "k_norm")]
     operands = [jnp.asarray(a) for a in (q, k, v, *position, k_cache, v_cache, slots)]

@@ -56,7 +56,7 @@ def layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     )
     found = _layouts.get(key)
     if found is None:
-        checked = _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family)
+        checked = checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family)
         found = _layouts.put(key, checked)
     return found
 
@@ -70,7 +70,7 @@ def _flags(a, family):
     return a.flags.num if family == NUMPY else _arrays.address(a) % a.itemsize
 
 
-def _checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
+def checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     """:func:`layout`'s checks, each refusal naming the argument and its value."""
     if q.ndim != 3:
         raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {q.shape}")

@@ -305,6 +305,19 @@ def test_rotate_into_cache_refusals():
         STEP_ROPE.rotate_into_cache(*given[:4], k_cache, v_cache, jnp.asarray(slots))
     with pytest.raises(RopeTypeError, match="k_scale must be a number"):
         STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), k_scale=jnp.asarray(0.5))
+    bad = {  # shapes and dtypes: refused before the call is traced, under jit too
+        "k_cache of shape .* must hold": dict(cache_layout="HND"),
+        "v must have shape": dict(v=given[2][:, :1]),
+        "v_cache must have q's dtype": dict(v_cache=given[5].astype(jnp.float16)),
+    }
+    names = ("q", "k", "v", "pos", "k_cache", "v_cache")
+    for message, change in bad.items():
+        layout = change.pop("cache_layout", "NHD")
+        args = [change.get(name, a) for name, a in zip(names, given)]
+        with pytest.raises((RopeValueError, RopeTypeError), match=message):
+            jax.jit(lambda *a, lay=layout: STEP_ROPE.rotate_into_cache(*a, cache_layout=lay))(
+                *args, jnp.asarray(slots)
+            )
     for layout in (["NHD"], "THD"):  # refused before the call is traced, under jit too
         with pytest.raises(RopeValueError, match="cache_layout must be"):
             jax.jit(lambda *a, lay=layout: STEP_ROPE.rotate_into_cache(*a, cache_layout=lay))(
