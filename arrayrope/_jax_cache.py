@@ -71,8 +71,8 @@ def _run(args, rets, entry):
     results alias their operands)."""
     storage = [_jax_ops._storage(dtype) for dtype in entry[-1]]
     # The operands are viewed as writable, though the step only reads them (it writes out and
-    # the caches, and refuses any overlap with them): a read-only operand would miss the
-    # fused launch's build and take its slow way in (see _fused_launch._step).
+    # the caches, and refuses any overlap with them): read-only ones would be aliased writable
+    # on each step before the fused launch (see _fused_launch._step).
     operands = [_jax_ops._view(args[i], *kinds, False) for i, kinds in enumerate(storage)]
     written = enumerate((0, *_caches(entry)))  # out has q's dtype, each cache its operand's
     out, k_cache, v_cache = (_jax_ops._view(rets[i], *storage[j], False) for i, j in written)

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 
 from ._cache import Bounded
+from ._positions import defaults
 
 EPS = 1e-6  # norm_eps's default: a call that leaves it may take the short way
 _NDARRAY = np.ndarray
@@ -62,19 +63,22 @@ def _plain_numbers(dtype):
 
 def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=None):
     """A decode loop's call, whose layouts an earlier call has checked (see remember): what
-    depends on the call alone (slots, positions in the cached table, no array written into
-    another's memory) is checked in the compiled launch. ``key``: the call's step_key, where
-    the caller has it. Returns the result, or None with nothing written where the general way
-    must take the call (which names what is wrong)."""
+    depends on the call alone (slots, positions within the launch's rows, no array written
+    into another's memory) is checked in the compiled launch. The launch reads the cached
+    table, or, once steps of this table and dtype have gone past its cap (a long context),
+    rows made for the call. ``key``: the call's step_key, where the caller has it. Returns the
+    result, or None with nothing written where the general way must take the call (which
+    names what is wrong)."""
     spec = rope._spec
     if key is None:
         key = step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
     found = None if key is None else _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
-    settings, threaded, dtype, bits, read_only, past_the_cap = found
+    settings, threaded, dtype, bits, read_only = found
     freqs = rope._engine.freq_set(None).tables
-    if past_the_cap[0]:  # a long context: each token's row made for the call at once
+    long_context = dtype in freqs.past_the_cap
+    if long_context:
         rows = _made_rows(freqs, dtype, pos)
         if rows is None:
             return None
@@ -95,29 +99,33 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
     if read_only:
         args = tuple(_fused_launch.writable(a) for a in args)
     status = _fused_launch.run(args, q.shape[0], threaded)
-    if status == _fused_launch.PAST_THE_TABLE and not past_the_cap[0]:
-        rows = _past_the_table(freqs, dtype, pos)
-        if rows is None:
+    if status == _fused_launch.PAST_THE_TABLE and not long_context:
+        found = _past_the_table(freqs, dtype, pos)
+        if found is None:
             return None
-        # past the cap, the next calls of these layouts make their rows first
-        past_the_cap[0] = rows[0] is not pos
+        rows, made = found
+        if made:  # past the cap: the next steps make their rows first
+            freqs.past_the_cap.add(dtype)
+        if read_only:
+            rows = tuple(_fused_launch.writable(a) for a in rows)
         status = _fused_launch.run(args[:7] + rows + args[10:], q.shape[0], threaded)
     return None if status else out
 
 
 def _past_the_table(freqs, dtype, pos):
-    """(table rows, cos, sin) of the launch for positions past the cached table: the table
-    grown to them where its cap allows, else each token's row made from the level tables for
-    the call (a long context), as the general way makes them. None for a position outside
-    [0, 2**31) (the general way names it). The launch checks the positions again, on its own
-    copy."""
+    """((table rows, cos, sin), whether the rows were made for the call) of the launch for
+    positions past the cached table: the table grown to them where its cap allows, else each
+    token's row made from the level tables for the call (a long context), as the general way
+    makes them. None for a position outside [0, 2**31) (the general way names it). The launch
+    checks the positions again, on its own copy."""
     low, high = int(pos.min()), int(pos.max())
     if low < 0:
         return None
     grown = freqs.cached(np, None, dtype, high)
     if grown is not None:
-        return pos, grown[0], grown[1]
-    return _made_rows(freqs, dtype, pos)
+        return (pos, grown[0], grown[1]), False
+    made = _made_rows(freqs, dtype, pos)
+    return None if made is None else (made, True)
 
 
 def _made_rows(freqs, dtype, pos):
@@ -125,14 +133,9 @@ def _made_rows(freqs, dtype, pos):
     level tables, the values the cached table holds at any position; None for a position
     outside [0, 2**31)."""
     made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
-    return None if made is None else (_tokens(pos.shape[0]), made[0], made[1])
-
-
-@functools.cache
-def _tokens(n):
-    """0..n-1: the rows made for a call's n tokens, one array per n, never written (and
-    left writable: a read-only operand would miss the launch's build, see _fused_launch)."""
-    return np.arange(n, dtype=np.int64)
+    if made is None:
+        return None
+    return defaults(pos.shape[0]).reshape(-1), made[0], made[1]
 
 
 def remember(key, spec, arrays, block, layout, cos, sin):
@@ -154,6 +157,4 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     # whether an operand is read-only, from the key's flags: the launch takes such operands
     # through writable aliases (see _fused_launch.writable), made here at no cost to the rest
     read_only = any(not flags & _WRITEABLE for *_, flags in key[-1])
-    # the last element: whether this layout's calls went past the table's cap (see step)
-    entry = (settings, _fused_launch.parallel(q, k), dtype, bits, read_only, [False])
-    _steps.put(key, entry)
+    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits, read_only))

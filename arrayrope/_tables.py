@@ -103,6 +103,9 @@ class CosSinTables:
         self._on_device = {}  # pair_axis and inv_freq per device, for exact rows there
         self._levels = None  # the level tables of integer_rows, built on first use
         self._lock = threading.RLock()  # the cache, and the level tables it is built from
+        # dtypes whose decode steps have gone past the cap: their next steps make their rows
+        # (integer_rows) before the launch (see _kv_step.step); only ever added to
+        self.past_the_cap = set()
 
     def _cap(self, itemsize):
         if self.max_rows is not None:

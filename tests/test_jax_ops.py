@@ -251,8 +251,8 @@ def test_rotate_into_cache_writes_donated_caches_in_place():
 
 
 def test_a_jit_decode_loop_takes_the_launchs_own_build(monkeypatch):
-    # XLA's operand buffers reach the fused launch as writable views: a read-only operand would
-    # miss its build on every step (a type miss in Numba's dispatcher, then aliases)
+    # XLA's operand buffers reach the fused launch as writable views, which it takes as they
+    # are: no operand is aliased on the way
     from arrayrope.backends.cpu import _fused_launch
 
     q, k, v, pos, k_cache, v_cache, slots = _step_inputs(2)

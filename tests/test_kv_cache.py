@@ -377,8 +377,6 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
     # From the second step on, a loop's layouts are known (kept per layout): each step still
     # gets rotate_qk's and a scatter's bits, and what a step's own values get wrong is refused
     # with nothing written
-    from arrayrope import _kv_step
-
     rope = ar.RoPE(16, style="half", max_positions=64)
     n, hq, hkv, d = 4, 3, 2, 16
     k_cache, v_cache = _caches(rng, 4, 4, hkv, d, dtype, "HND")
@@ -398,8 +396,8 @@ def test_a_decode_loop_checks_each_step(dtype, where, rng):
         assert np.array_equal(bits(got), bits(want_q))
         assert np.array_equal(bits(_rows(k_cache, "HND")), bits(expected_k))
         assert np.array_equal(bits(_rows(v_cache, "HND")), bits(expected_v))
-        key = _kv_step.step_key(rope._spec, q, k, v, pos, k_cache, v_cache, slots, out, "HND")
-        assert _kv_step._steps.get(key)[-1] == [step >= 4]  # whether past the cap
+        # past the cap once, this RoPE's steps make their rows first
+        assert bool(rope._engine.freq_set(None).tables.past_the_cap) == (step >= 4)
     q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
     before = k_cache.copy(), v_cache.copy(), q.copy()
     bad = {
@@ -568,6 +566,8 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
     rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q)  # out's layout known
     for out in (row[:, 96:192], row[:, 160:256]):
         out = out.reshape(5, 3, 32)
+        key = _kv_step.step_key(rope._spec, q, k, v, pos, k_cache, v_cache, slots, out, "NHD")
+        assert _kv_step._steps.get(key) is not None  # the layouts are known: the launch refuses
         assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, out, "NHD") is None
         with pytest.raises(ar.RopeValueError, match="share memory"):
             rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
@@ -599,6 +599,13 @@ def test_a_loop_on_read_only_inputs_takes_the_launchs_own_build(rng, monkeypatch
         assert np.array_equal(got, want_q)
         assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
         assert np.array_equal(_rows(v_cache, "NHD")[slots], v)
+    # the general way (a norm) aliases them before its launch too
+    weight = rng.standard_normal(32).astype(np.float32)
+    caches = k_cache.copy(), v_cache.copy()
+    writable = (a.copy() for a in (q, k, v, pos))
+    want = rope.rotate_into_cache(*writable, *caches, slots, k_norm=weight)
+    got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, k_norm=weight)
+    assert np.array_equal(got, want) and np.array_equal(k_cache, caches[0])
 
 
 def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):

@@ -203,9 +203,9 @@ def _specialized(args):
 def _step(*args):
     """fused_step(*args), compiling it first for a new dtype combination; read-only operands
     through writable aliases (see writable), after a type miss: that way in costs Numba's
-    dispatcher hundreds of microseconds, so the decode loop's short way aliases the read-only
-    operands its layouts record before it launches, and JAX's route passes writable views of
-    the buffers it knows are only read."""
+    dispatcher hundreds of microseconds, so the callers alias read-only operands first: the
+    general way always (see launch), the decode loop's short way where its layouts record one
+    (see _kv_step), and JAX's route passes writable views of the buffers it only reads."""
     if not _built:
         _specialized(args)
     try:
@@ -275,9 +275,10 @@ def parallel(q, k):
 
 
 class _Alias:
-    """An object NumPy views through the array interface: another array's memory."""
+    """An object NumPy views through the array interface: another array's memory, and that
+    array (``owner``), kept alive by the view."""
 
-    __slots__ = ("__array_interface__",)
+    __slots__ = ("__array_interface__", "owner")
 
 
 def writable(a):
@@ -288,6 +289,7 @@ def writable(a):
     if not isinstance(a, np.ndarray) or a.flags.writeable:
         return a
     alias = _Alias()
+    alias.owner = a
     face = dict(a.__array_interface__)
     face["data"] = (face["data"][0], False)
     alias.__array_interface__ = face
@@ -312,4 +314,6 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
         *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
         q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),
     )  # fmt: skip
-    run(args, q.shape[0], parallel(q, k))
+    # read-only operands aliased here, not after a type miss (see _step): a few microseconds
+    # beside the general way's checks
+    run(tuple(writable(a) for a in args), q.shape[0], parallel(q, k))
