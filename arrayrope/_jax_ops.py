@@ -29,6 +29,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _registry
+from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
 _TARGET = "arrayrope_rotate"
@@ -134,7 +135,6 @@ class _MetadataExtension(ctypes.Structure):
 
 
 _INVALID_ARGUMENT = 3
-_BUFFER = ctypes.POINTER(_Buffer)
 _SCALAR = ctypes.POINTER(_Scalar)
 
 
@@ -144,19 +144,26 @@ class _Memory:
     __slots__ = ("__array_interface__",)
 
 
+# cache: NumPy views of XLA buffers by (address, shape, dtype, read-only). A view owns no
+# memory, so a kept one serves any later buffer at that address of that shape and dtype (a
+# jitted loop's buffers come back at the same addresses: donated caches always do).
+_views = Bounded(256)
+
+
 def _view(address, dtype, bits, read_only):
-    """The XLA buffer at ``address`` as a NumPy array (row-major, as XLA lays out custom-call
-    operands by default) of ``dtype``."""
-    buffer = ctypes.cast(address, _BUFFER).contents
-    memory = _Memory()
-    memory.__array_interface__ = {
-        "data": (buffer.data or 0, read_only),
-        "shape": tuple(buffer.dims[: buffer.rank]),
-        "typestr": bits.str,
-        "version": 3,
-    }
-    view = np.asarray(memory)
-    return view if bits is dtype else view.view(dtype)
+    """The XLA buffer whose descriptor is at ``address`` as a NumPy array (row-major, as XLA
+    lays out custom-call operands by default) of ``dtype``."""
+    buffer = _Buffer.from_address(address)
+    data, shape = buffer.data or 0, tuple(buffer.dims[: buffer.rank])
+    key = (data, shape, dtype, read_only)
+    view = _views.get(key)
+    if view is None:
+        memory = _Memory()
+        face = {"data": (data, read_only), "shape": shape, "typestr": bits.str, "version": 3}
+        memory.__array_interface__ = face
+        view = np.asarray(memory)
+        view = _views.put(key, view if bits is dtype else view.view(dtype))
+    return view
 
 
 # Registry: every static part of a call, by its index: (engine key, operands, position kind, scalar
@@ -217,7 +224,7 @@ def _handle(frame_pointer):
         xs = tuple(_view(args[i], dtype, bits, True) for i in range(operands))
         outs = tuple(_view(rets[i], dtype, bits, False) for i in range(operands))
         if kind == "array":
-            code = ctypes.cast(args[operands], _BUFFER).contents.dtype
+            code = _Buffer.from_address(args[operands]).dtype
             pos = _view(args[operands], _POSITION_DTYPES[code], _POSITION_DTYPES[code], True)
         else:
             pos = scalar
