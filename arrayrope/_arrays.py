@@ -120,6 +120,58 @@ def addressable(a, array_family):
     return all(s % item == 0 for n, s in zip(a.shape, a.strides) if n > 1)
 
 
+def _misaligned(a):
+    """Whether a CuPy array's pointer or a stride of an axis longer than 1 is off its element
+    grid (NumPy's kernels take such arrays; a GPU refuses a typed load there)."""
+    item = a.itemsize
+    return a.data.ptr % item != 0 or any(s % item for n, s in zip(a.shape, a.strides) if n > 1)
+
+
+def _bytes(a):
+    """A CuPy array's memory as uint8, one axis more for each element's bytes: a view whose
+    loads and stores are aligned at any address."""
+    cupy = sys.modules["cupy"]
+    shape, strides = a.shape + (a.itemsize,), a.strides + (1,)
+    return cupy.ndarray(shape, np.uint8, a.data, strides=strides)
+
+
+def copy(a):
+    """A fresh C-order copy of ``a``, aligned. A misaligned CuPy array is copied as bytes:
+    CuPy's own copy loads elements with typed loads, which a GPU refuses off the element grid
+    (CUDA_ERROR_MISALIGNED_ADDRESS, which also loses the context)."""
+    if family(a) != CUPY or a.size == 0 or not _misaligned(a):
+        return a.copy()
+    fresh = sys.modules["cupy"].empty(a.shape, a.dtype)
+    _bytes(fresh)[...] = _bytes(a)
+    return fresh
+
+
+def aligned(a):
+    """``a``, or an aligned copy of a misaligned CuPy array (which CuPy's own operations fault
+    on: see :func:`copy`)."""
+    if family(a) == CUPY and a.size and _misaligned(a):
+        return copy(a)
+    return a
+
+
+def ready(a, array_family, any_layout):
+    """Whether a backend can take ``a`` as it is: every kernel where :func:`addressable`, a
+    backend of array operations (``any_layout``) any array but a misaligned CuPy one."""
+    if any_layout:
+        return array_family != CUPY or a.size == 0 or not _misaligned(a)
+    return addressable(a, array_family)
+
+
+def assign(out, a):
+    """``out[...] = a`` (one shape and dtype), as bytes where ``out`` or ``a`` is a misaligned
+    CuPy array (see :func:`copy`)."""
+    cupy_arrays = family(out) == CUPY and family(a) == CUPY and out.size
+    if cupy_arrays and (_misaligned(out) or _misaligned(a)):
+        _bytes(out)[...] = _bytes(a)
+    else:
+        out[...] = a
+
+
 def self_overlapping(a):
     """Whether two elements of ``a`` may share memory (a zero stride on an axis longer than 1,
     or strides that interleave): parallel writes to it would race. Conservative: axes sorted by

@@ -73,7 +73,7 @@ class GivenPlan(_plan.GeneralPlan):
         if operands:
             self.launch(self.spec, operands, cos, sin, inverse)
         for temp, out in write_back:
-            out[...] = temp
+            _arrays.assign(out, temp)
         return results
 
 

@@ -5,6 +5,7 @@ rows a block of positions at a time, for what the first cannot take)."""
 
 import numpy as np
 
+from . import _arrays
 from ._tables import checked_rows
 
 # The most bytes of per-call cos/sin rows a call makes at once (see in_blocks): they fit a
@@ -31,7 +32,7 @@ def filled(plan, xs, resolved, tables, inverse, results, in_place):
     if not plan.launch_filled(plan.spec, operands, *args):
         return False
     for temp, out in write_back:
-        out[...] = temp
+        _arrays.assign(out, temp)
     return True
 
 
@@ -63,4 +64,4 @@ def in_blocks(plan, xs, resolved, tables, inverse, results, in_place):
             operand = plan.operand(xb, ob, idx, same, write_back)
             plan.launch(plan.spec, [operand], rows[0], rows[1], inverse)
     for temp, out in write_back:
-        out[...] = temp
+        _arrays.assign(out, temp)

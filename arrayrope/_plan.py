@@ -175,6 +175,7 @@ class GeneralPlan:
             values = np.full((1, 1), _positions.check_int(pos), dtype=np.int64)
             return [(values, True, pos)] * len(xs)
         values = _positions.with_axes(pos, self.spec.n_axes, [x.shape[:-1] for x in xs])
+        values = _arrays.aligned(values)
         if values.size == 0:
             dtype = np.int64 if values.dtype.kind in "iu" else np.float64
             return [(values.astype(dtype), dtype == np.int64, -1)] * len(xs)
@@ -282,7 +283,7 @@ class GeneralPlan:
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
         for temp, out in write_back:
-            out[...] = temp
+            _arrays.assign(out, temp)
         return results
 
     def _past_cap_tables(self, resolved, seq_len):
@@ -366,15 +367,15 @@ class GeneralPlan:
         # copy() makes a fresh C-order array, aligned where a contiguous view may not be
         if in_place:
             x = out  # one layout at one address; x may be a read-only view of a writable out
-            if not (self.any_layout or _arrays.addressable(x, fam)):
-                temp = x.copy()
+            if not _arrays.ready(x, fam, self.any_layout):
+                temp = _arrays.copy(x)
                 write_back.append((temp, out))
                 x = temp
             out = x
         else:
-            if not (self.any_layout or _arrays.addressable(x, fam)):
-                x = x.copy()
-            if not (self.any_layout or _arrays.addressable(out, fam)):
+            if not _arrays.ready(x, fam, self.any_layout):
+                x = _arrays.copy(x)
+            if not _arrays.ready(out, fam, self.any_layout):
                 temp = xp.empty(x.shape, x.dtype)
                 write_back.append((temp, out))
                 out = temp

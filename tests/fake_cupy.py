@@ -140,8 +140,25 @@ def _access_bytes(name, itemsize):
 
 
 class _Pointer:
-    def __init__(self, ptr):
+    def __init__(self, ptr, owner=None):
         self.ptr = ptr
+        self.owner = owner  # the NumPy array whose memory holds ptr
+
+
+def _typed_access(what, *arrays):
+    """Fail as a device does where CuPy's own kernels (copies, casts, element-wise
+    operations) load or store an array's elements off their grid: CuPy's loads are typed, and
+    the error is sticky (see MisalignedAddress)."""
+    if _lost:
+        raise MisalignedAddress(f"the CUDA context is lost since {_lost[0]}")
+    for a in arrays:
+        if not isinstance(a, ndarray) or a.size == 0:
+            continue
+        item = a.itemsize
+        steps = (s for n, s in zip(a.shape, a.strides) if n > 1)
+        if a.data.ptr % item or any(s % item for s in steps):
+            _lost.append(f"CuPy's {what} at {a.data.ptr:#x}, {item}-byte elements")
+            raise MisalignedAddress(f"CUDA_ERROR_MISALIGNED_ADDRESS: {_lost[-1]}")
 
 
 def _unwrap(value, device):
@@ -170,6 +187,12 @@ def _wrap(value):
     return value
 
 
+class _Interface:
+    """An object NumPy views through the array interface, keeping the memory's owner."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+
 class ndarray:  # noqa: N801 (CuPy's name)
     """A device array: a NumPy array and the device it lives on."""
 
@@ -177,8 +200,17 @@ class ndarray:  # noqa: N801 (CuPy's name)
     # CuPy's, so that timing a call through the stand-in shows arrayrope's own cost
     __slots__ = ("_a", "_device", "_ptr", "shape", "strides", "dtype", "ndim", "size", "itemsize")
 
-    def __init__(self, a, device, memptr=None):
-        if memptr is not None:  # CuPy's ndarray(shape, dtype, memptr): a view of memory
+    def __init__(self, a, device, memptr=None, strides=None):
+        if isinstance(memptr, _Pointer):  # ndarray(shape, dtype, x.data, strides=...)
+            shape, dtype = tuple(a), np.dtype(device)
+            view = _Interface()
+            view.owner = memptr.owner
+            view.__array_interface__ = {
+                "data": (memptr.ptr, False), "shape": shape, "typestr": dtype.str,
+                "strides": strides, "version": 3,
+            }  # fmt: skip
+            a, device = np.asarray(view), _here()
+        elif memptr is not None:  # CuPy's ndarray(shape, dtype, memptr): a view of memory
             shape, dtype, memory = a, np.dtype(device), memptr.mem
             owner = np.frombuffer(memory.owner, np.uint8)
             start = memory.ptr + memptr.offset - owner.__array_interface__["data"][0]
@@ -199,7 +231,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def data(self):
         if self._ptr is None:  # read once: NumPy builds a dict to tell
             self._ptr = self._a.__array_interface__["data"][0]
-        return _Pointer(self._ptr)
+        return _Pointer(self._ptr, self._a)
 
     def _op(self, name, *args, **kwargs):
         device = _here()
@@ -233,12 +265,15 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return self._op("reshape", *shape, **kw)
 
     def astype(self, dtype, copy=True):
+        if copy or np.dtype(dtype) != self.dtype:  # else CuPy returns the array itself
+            _typed_access("cast", self)
         return self._op("astype", dtype, copy=copy)
 
     def view(self, dtype):
         return self._op("view", dtype)
 
     def copy(self):
+        _typed_access("copy", self)
         return self._op("copy")
 
     def min(self):  # a 0-d device array, as CuPy's reductions give
@@ -253,6 +288,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return _wrap(np.asarray(_unwrap(self, device)[key]))
 
     def __setitem__(self, key, value):
+        _typed_access("copy", self, value)
         device = _here()
         _unwrap(self, device)[_index(key, device)] = _unwrap(value, device)
 
@@ -266,6 +302,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         )
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _typed_access(ufunc.__name__, *inputs, *kwargs.get("out", ()))
         device = _here()
         result = getattr(ufunc, method)(*_unwrap(inputs, device), **_unwrap(kwargs, device))
         if "out" in kwargs:

@@ -409,25 +409,36 @@ def test_gpu_test_file_passes_on_the_stand_in(host_kernels):
 def test_misaligned_arrays_go_through_aligned_copies(cp, rng):
     # CuPy allows a float32 view two bytes off its allocation, and int64 positions four bytes
     # off; a device's typed loads fault on them (the stand-in does too, and loses the context)
+    # (CuPy's own copies fault there too, so the arrays are filled and read as bytes)
     x = rng.standard_normal((3, 4, 16)).astype(np.float32)
-    raw = cp.zeros(x.nbytes + 2, np.uint8)
-    odd = raw[2:].view(np.float32).reshape(x.shape)
-    assert odd.data.ptr % 4 == 2
-    odd[...] = cp.asarray(x)
-    pos_raw = cp.zeros(3 * 8 + 4, np.uint8)
-    odd_pos = pos_raw[4:].view(np.int64)
-    odd_pos[...] = cp.asarray(np.array([5, 900, 17]))
-    expected = oracle(x, np.array([5, 900, 17])[:, None])
+    pos = np.array([5, 900, 17])
+    odd, odd_pos = _off_grid(cp, x, 2), _off_grid(cp, pos, 4)
+    assert odd.data.ptr % 4 == 2 and odd_pos.data.ptr % 8 == 4
+    expected = oracle(x, pos[:, None])
     for backend in ("cupy", "numpy"):
         got = ar.rotate(odd, odd_pos[:, None], backend=backend)
         np.testing.assert_allclose(got.get(), expected, rtol=0, atol=3e-6)
-        out = cp.zeros(x.nbytes + 2, np.uint8)[2:].view(np.float32).reshape(x.shape)
+        out = _off_grid(cp, np.zeros_like(x), 2)
         assert ar.rotate(odd, odd_pos[:, None], out=out, backend=backend) is out
-        np.testing.assert_allclose(out.get(), expected, rtol=0, atol=3e-6)
-    in_place = cp.zeros(x.nbytes + 2, np.uint8)[2:].view(np.float32).reshape(x.shape)
-    in_place[...] = cp.asarray(x)
+        np.testing.assert_allclose(_read(out), expected, rtol=0, atol=3e-6)
+    in_place = _off_grid(cp, x, 2)
     ar.rotate(in_place, odd_pos[:, None], out=in_place)
-    np.testing.assert_allclose(in_place.get(), expected, rtol=0, atol=3e-6)
+    np.testing.assert_allclose(_read(in_place), expected, rtol=0, atol=3e-6)
+    with pytest.raises(fake_cupy.MisalignedAddress, match="CuPy's copy"):
+        odd.copy()  # the stand-in faults where a device's typed loads do
+    fake_cupy._lost.clear()
+
+
+def _off_grid(cp, values, shift):
+    """A CuPy view of ``values`` ``shift`` bytes into its allocation, filled as bytes."""
+    raw = cp.zeros(values.nbytes + shift, np.uint8)
+    raw[shift:] = cp.asarray(np.ascontiguousarray(values).view(np.uint8).reshape(-1))
+    return raw[shift:].view(values.dtype).reshape(values.shape)
+
+
+def _read(a):
+    """A contiguous CuPy array's values, read as bytes (a copy to the host, as CuPy's get)."""
+    return a.view(np.uint8).get().view(a.dtype).reshape(a.shape)
 
 
 def test_the_stand_in_fails_a_misaligned_launch_like_a_device(cp):

@@ -154,17 +154,29 @@ def test_mixing_host_and_device_is_an_error():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_misaligned_views_are_rotated_not_faulted(backend):
     # a float32 view 2 bytes into an allocation, int64 positions 4 bytes in: a typed load at
-    # such an address raises CUDA_ERROR_MISALIGNED_ADDRESS and loses the context
+    # such an address raises CUDA_ERROR_MISALIGNED_ADDRESS and loses the context (CuPy's own
+    # copies too: the arrays are filled and read as bytes)
     rng = np.random.default_rng()
     x = rng.standard_normal((3, 4, 16)).astype(np.float32)
-    odd = cupy.zeros(x.nbytes + 2, np.uint8)[2:].view(np.float32).reshape(x.shape)
-    odd[...] = cupy.asarray(x)
     pos = np.array([5, 900, 17])
-    odd_pos = cupy.zeros(3 * 8 + 4, np.uint8)[4:].view(np.int64)
-    odd_pos[...] = cupy.asarray(pos)
+    odd, odd_pos = _off_grid(x, 2), _off_grid(pos, 4)
     got = ar.rotate(odd, odd_pos[:, None], backend=backend)
     cupy.cuda.Device().synchronize()
     assert_matches(got.get(), oracle(x, pos[:, None]), x)
+    out = _off_grid(np.zeros_like(x), 2)
+    assert ar.rotate(odd, odd_pos[:, None], out=out, backend=backend) is out
+    ar.rotate(odd, odd_pos[:, None], out=odd, backend=backend)
+    cupy.cuda.Device().synchronize()
+    for written in (out, odd):
+        assert_matches(written.view(np.uint8).get().view(np.float32).reshape(x.shape),
+                       oracle(x, pos[:, None]), x)  # fmt: skip
+
+
+def _off_grid(values, shift):
+    """A CuPy view of ``values`` ``shift`` bytes into its allocation, filled as bytes."""
+    raw = cupy.zeros(values.nbytes + shift, np.uint8)
+    raw[shift:] = cupy.asarray(np.ascontiguousarray(values).view(np.uint8).reshape(-1))
+    return raw[shift:].view(values.dtype).reshape(values.shape)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -132,7 +132,7 @@ def device_rows(cupy, device, idxs, cos, sin):
 
 def _on_device(cupy, device, a):
     if not _arrays.is_host(a):
-        return a.copy() if _arrays.address(a) % a.itemsize else a
+        return _arrays.copy(a) if _arrays.address(a) % a.itemsize else a
     if is_default(a):
         return on_device(cupy, device, ("arange", a.shape[0]), a)
     return upload(cupy, device, a)
