@@ -77,7 +77,11 @@ def adopt(name, a, written=False):
         elif device_type in (_CUDA, _CUDA_MANAGED):
             import cupy
 
-            native = cupy.from_dlpack(source)
+            # consumed on the stream the call launches on (torch's current one for a torch
+            # tensor): the producer then has no other stream to order, which it could not do
+            # while a CUDA graph is being captured on its stream
+            with framework_stream((a,)):
+                native = cupy.from_dlpack(source)
         else:
             raise RopeTypeError(
                 f"{name} is on DLPack device type {device_type}; arrayrope runs "

@@ -139,6 +139,8 @@ for bf16_bits, compute, storage, compute_type in cases:
         for cc in ((8, 0), (9, 0)):
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature(storage, compute_type), cc=cc)
             assert ".entry" in ptx
+            # no product fused into a sum: the CPU's bits (see cuda_numba._products)
+            assert "fma.rn.f" not in ptx, "a contracted FMA"
 print("COMPILED", len(cases) * 2 * 2)
 """
 
@@ -162,9 +164,9 @@ def test_kernels_compile_for_ampere_and_hopper():
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 def test_rows_past_the_table_and_invalid_positions(dtype, style):
     # Device positions reach the kernel unchecked: past the table it makes the rows itself
-    # from the level tables, as the CPU does (the CPU's bits in every dtype under the
-    # simulator; on a GPU, NVVM may contract products into FMAs), and an invalid one gives NaN
-    # and sets the error flag (raised here at once).
+    # from the level tables, as the CPU does (the CPU's bits in every dtype: no product is
+    # fused into a sum on a GPU either), and an invalid one gives NaN and sets the error flag
+    # (raised here at once).
     rng = np.random.default_rng()
     rope = ar.RoPE(16, rotary_dim=12, style=style, max_positions=8)
     x = rng.standard_normal((4, 16)).astype(dtype)

@@ -66,6 +66,23 @@ def _bit_casts():
     return as_float, as_bits
 
 
+def _products():
+    """(mul64, mul32): float64 and float32 products rounded on their own. On a GPU they are
+    libdevice's round-to-nearest products, which NVVM never fuses with a following sum: NVVM
+    contracts a * b + c into an FMA by default (numba-cuda does not turn that off), which
+    moves a last bit from the CPU's and, in the rows past the table, drops the rounding of the
+    float64 angle m * theta that the contract rotates by. Plain products in the simulator."""
+    if _simulated():
+
+        def mul(a, b):
+            return a * b
+
+        return mul, mul
+    from numba.cuda import libdevice
+
+    return libdevice.dmul_rn, libdevice.fmul_rn
+
+
 def _simulated():
     from numba import config
 
@@ -81,6 +98,7 @@ def _kernel(bf16_bits, half_style, compute):
     if key in _kernels:
         return _kernels[key]
     as_float, as_bits = _bit_casts()
+    mul64, mul32 = _products()
 
     if bf16_bits:
 
@@ -109,13 +127,14 @@ def _kernel(bf16_bits, half_style, compute):
             a[i] = value
 
     exact = compute == np.float64
+    mul = mul64 if exact else mul32  # products in the compute type
 
     @cuda.jit(device=True, inline=True)
     def past_table(p, j, inv_freq, levels, scale):
         """cos and sin of pair j at position p in [0, 2**31) past the table: the CPU's formula
         (backends/cpu/_angles.py) from the level tables ``levels`` (2, LEVEL_ROWS, n_pairs),
-        rounded once to the compute type; no cos or sin. (On a GPU, NVVM may fuse products
-        into FMAs: a last bit may differ from the CPU's.)"""
+        rounded once to the compute type; no cos or sin. Every product is mul64's (see
+        _products): the CPU's bits."""
         h = p >> 22
         k = (p >> 11) & 2047
         low = p & 2047
@@ -124,23 +143,24 @@ def _kernel(bf16_bits, half_style, compute):
         c3, s3 = levels[0, low, j], levels[1, low, j]
         fm, fk, fl = np.float64(p), np.float64(k), np.float64(low)
         if h == 0:
-            cc = c2 * c3 - s2 * s3
-            ss = s2 * c3 + c2 * s3
-            delta = (fm * theta - fk * (theta * 2048.0)) - fl * theta
+            cc = mul64(c2, c3) - mul64(s2, s3)
+            ss = mul64(s2, c3) + mul64(c2, s3)
+            delta = (mul64(fm, theta) - mul64(fk, mul64(theta, 2048.0))) - mul64(fl, theta)
         else:
             c1, s1 = levels[0, 4096 + h, j], levels[1, 4096 + h, j]
-            c12 = c1 * c2 - s1 * s2
-            s12 = s1 * c2 + c1 * s2
-            cc = c12 * c3 - s12 * s3
-            ss = s12 * c3 + c12 * s3
-            a = np.float64(h) * (theta * 4194304.0)
-            delta = ((fm * theta - a) - fk * (theta * 2048.0)) - fl * theta
+            c12 = mul64(c1, c2) - mul64(s1, s2)
+            s12 = mul64(s1, c2) + mul64(c1, s2)
+            cc = mul64(c12, c3) - mul64(s12, s3)
+            ss = mul64(s12, c3) + mul64(c12, s3)
+            a = mul64(np.float64(h), mul64(theta, 4194304.0))
+            delta = mul64(fm, theta) - a
+            delta = (delta - mul64(fk, mul64(theta, 2048.0))) - mul64(fl, theta)
         if exact:  # float64: to second order in delta
-            half = 0.5 * delta * delta
-            return compute((cc - (ss * delta + cc * half)) * scale), compute(
-                (ss + (cc * delta - ss * half)) * scale
-            )
-        return compute((cc - ss * delta) * scale), compute((ss + cc * delta) * scale)
+            half = mul64(mul64(0.5, delta), delta)
+            c = mul64(cc - (mul64(ss, delta) + mul64(cc, half)), scale)
+            return compute(c), compute(mul64(ss + (mul64(cc, delta) - mul64(ss, half)), scale))
+        c = mul64(cc - mul64(ss, delta), scale)
+        return compute(c), compute(mul64(ss + mul64(cc, delta), scale))
 
     @cuda.jit
     def rope_kernel(
@@ -223,8 +243,8 @@ def _kernel(bf16_bits, half_style, compute):
                     ib = 2 * j + 1
                 a = load(x, xb + ia)
                 b = load(x, xb + ib)
-                store(o, ob + ia, a * c - b * s)
-                store(o, ob + ib, b * c + a * s)
+                store(o, ob + ia, mul(a, c) - mul(b, s))
+                store(o, ob + ib, mul(b, c) + mul(a, s))
                 j += cuda.blockDim.x
             if (copy_tail >> t) & 1:  # operand t's tail, where its out is not its x
                 j = rotary_dim + cuda.threadIdx.x
