@@ -82,10 +82,11 @@ def _nvrtc():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compiles_with_nvrtc_as_cupy_does(arch):
-    # CuPy's RawModule compiles the source with NVRTC and the launcher's options, not nvcc.
+    # CuPy's RawModule compiles the source with NVRTC and the launcher's options, not nvcc,
+    # and appends -ftz=true to them: no float arithmetic may be flushed all the same
     nvrtc = _nvrtc()
     _, program = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"rope.cu", 0, [], [])
-    options = [o.encode() for o in OPTIONS] + [f"--gpu-architecture={arch}".encode()]
+    options = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}", "-ftz=true")]
     (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
     log = b" " * size
@@ -96,6 +97,8 @@ def test_compiles_with_nvrtc_as_cupy_does(arch):
     ptx = b" " * size
     nvrtc.nvrtcGetPTX(program, ptx)
     assert set(re.findall(r"\.visible \.entry (\w+)", ptx.decode())) == ENTRIES
+    flushed = sorted(set(re.findall(r"\b\w+(?:\.\w+)*\.ftz\.f32\b", ptx.decode())))
+    assert not flushed, f"float arithmetic flushed to zero: {flushed}"
 
 
 def test_entry_points_per_dtype_and_style():

@@ -93,10 +93,11 @@ def require_cupy():
     return cupy
 
 
-# No flush-to-zero and no FMA contraction: every product and sum rounds on its own, as in the
-# CPU kernels and the reference, so a GPU gives their bits (subnormal inputs included). The
-# kernels wait on memory, not on arithmetic.
-OPTIONS = ("--std=c++14", "--ftz=false", "--fmad=false")
+# No FMA contraction: every product and sum rounds on its own, as in the CPU kernels and the
+# reference, so a GPU gives their bits. (CuPy appends -ftz=true to every RawModule's options;
+# the source's float arithmetic is inline PTX that is never flushed, so subnormal values keep
+# the CPU's bits too: see rope.cu's mul.) The kernels wait on memory, not on arithmetic.
+OPTIONS = ("--std=c++14", "--fmad=false")
 _modules = Bounded(16)  # per device
 _functions = Bounded(256)  # per device and entry point
 last_entry = None  # the entry point of the latest launch, for benchmarks and debugging

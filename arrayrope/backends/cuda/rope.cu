@@ -8,6 +8,50 @@ typedef long long i64;
 struct f16_bits { unsigned short v; };
 struct bf16_bits { unsigned short v; };
 
+// float arithmetic as written, never flushed to zero: CuPy compiles every RawModule with
+// -ftz=true after the caller's own options, so plain float operators would flush subnormal
+// values (the CPU keeps them). Inline PTX is taken as it is; double is never flushed, and
+// -fmad=false keeps every product and sum rounding on its own. The host build takes the
+// operators.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float mul(float a, float b) {
+    float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float add(float a, float b) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float sub(float a, float b) {
+    float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float quotient(float a, float b) {
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float root(float v) {
+    float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(v)); return r;
+}
+#else
+__device__ __forceinline__ float mul(float a, float b) { return a * b; }
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ float sub(float a, float b) { return a - b; }
+__device__ __forceinline__ float quotient(float a, float b) { return a / b; }
+__device__ __forceinline__ float root(float v) { return sqrtf(v); }
+#endif
+// a double rounded once to the compute type (to float: never flushed either)
+template <typename C> __device__ __forceinline__ C narrow(double v);
+template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
+template <> __device__ __forceinline__ float narrow<float>(double v) {
+#ifdef __CUDA_ARCH__
+    float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v)); return r;
+#else
+    return (float)v;
+#endif
+}
+__device__ __forceinline__ double mul(double a, double b) { return a * b; }
+__device__ __forceinline__ double add(double a, double b) { return a + b; }
+__device__ __forceinline__ double sub(double a, double b) { return a - b; }
+__device__ __forceinline__ double quotient(double a, double b) { return a / b; }
+__device__ __forceinline__ double root(double v) { return sqrt(v); }
+
 template <typename T> struct Elem;
 template <> struct Elem<float> {
     typedef float compute;
@@ -112,8 +156,8 @@ __device__ __forceinline__ void past_table(
         cd = cc - ss * delta;
         sd = ss + cc * delta;
     }
-    *c = (C)(cd * scale);
-    *s = (C)(sd * scale);
+    *c = narrow<C>(cd * scale);
+    *s = narrow<C>(sd * scale);
 }
 
 // N consecutive storage elements: one 4-, 8- or 16-byte access where the address is aligned.
@@ -270,11 +314,11 @@ __device__ __forceinline__ void rope_rows(
             if (r >= count) break;
             C ra[P], rb[P];
             for (int k = 0; k < P; ++k) {
-                // Compiled with -fmad=false: each product and sum rounds on its own, as on the
-                // CPU, so both give the same bits.
-                const C sk = s[r][k] * sign;
-                ra[k] = a[r][k] * c[r][k] - b[r][k] * sk;
-                rb[k] = b[r][k] * c[r][k] + a[r][k] * sk;
+                // each product and sum rounds on its own, as on the CPU (see mul): both give
+                // the same bits
+                const C sk = mul(s[r][k], (C)sign);
+                ra[k] = sub(mul(a[r][k], c[r][k]), mul(b[r][k], sk));
+                rb[k] = add(mul(b[r][k], c[r][k]), mul(a[r][k], sk));
             }
             if (HALF_STYLE) {
                 store_n<T, P, VECTOR>(orow[r] + j, ra);
@@ -324,8 +368,8 @@ __device__ __forceinline__ unsigned char to_e4m3(float f) {
     const unsigned int mag = bits & 0x7fffffffu;
     if (mag > 0x7f800000u) return (unsigned char)(0x7fu | sign);
     if (mag < 0x3c800000u) {  // below 2**-6: a multiple of 2**-9, rounded through 2**23
-        const float scaled = __uint_as_float(mag) * 512.0f;
-        return (unsigned char)((unsigned int)((scaled + 8388608.0f) - 8388608.0f) | sign);
+        const float scaled = mul(__uint_as_float(mag), 512.0f);
+        return (unsigned char)((unsigned int)sub(add(scaled, 8388608.0f), 8388608.0f) | sign);
     }
     const unsigned int odd = (mag >> 20) & 1u;
     const unsigned int rounded = (mag + 0x7ffffu + odd) >> 20;
@@ -341,13 +385,9 @@ template <typename K> struct CacheStore {
 template <> struct CacheStore<e4m3_bits> {
     template <typename C>
     static __device__ __forceinline__ void put(e4m3_bits* p, C value, C multiplier) {
-        p->v = to_e4m3((float)(value * multiplier));
+        p->v = to_e4m3(narrow<float>((double)mul(value, multiplier)));
     }
 };
-
-// The square root in the compute type (float's own, not double's rounded)
-__device__ __forceinline__ float root(float v) { return sqrtf(v); }
-__device__ __forceinline__ double root(double v) { return sqrt(v); }
 
 // One head's row: x (normalized where a weight is given: n_weight = d; none: 0) turned by the
 // table row (c, s) into o, the tail copied (normalized). The inverse RMS is summed by each lane
@@ -364,24 +404,24 @@ __device__ __forceinline__ void fused_row(
         C total = (C)0;
         for (int j = 0; j < d; ++j) {
             const C value = Elem<T>::load(x + j);
-            total += value * value;
+            total = add(total, mul(value, value));
         }
-        factor = (C)1 / root(total / (C)d + eps);
+        factor = quotient((C)1, root(add(quotient(total, (C)d), eps)));
     }
     const int half = rotary_dim / 2;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         const int ia = HALF_STYLE ? j : 2 * j, ib = HALF_STYLE ? j + half : 2 * j + 1;
         C a = Elem<T>::load(x + ia), b = Elem<T>::load(x + ib);
         if (n_weight) {
-            a = a * factor * weight[ia];
-            b = b * factor * weight[ib];
+            a = mul(mul(a, factor), weight[ia]);
+            b = mul(mul(b, factor), weight[ib]);
         }
-        CacheStore<O>::put(o + ia, a * c[j] - b * s[j], multiplier);
-        CacheStore<O>::put(o + ib, b * c[j] + a * s[j], multiplier);
+        CacheStore<O>::put(o + ia, sub(mul(a, c[j]), mul(b, s[j])), multiplier);
+        CacheStore<O>::put(o + ib, add(mul(b, c[j]), mul(a, s[j])), multiplier);
     }
     for (int j = rotary_dim + threadIdx.x; j < d; j += blockDim.x) {
         C value = Elem<T>::load(x + j);
-        if (n_weight) value = value * factor * weight[j];
+        if (n_weight) value = mul(mul(value, factor), weight[j]);
         CacheStore<O>::put(o + j, value, multiplier);
     }
 }
