@@ -121,8 +121,10 @@ def addressable(a, array_family):
 
 
 def _misaligned(a):
-    """Whether a CuPy array's pointer or a stride of an axis longer than 1 is off its element
-    grid (NumPy's kernels take such arrays; a GPU refuses a typed load there)."""
+    """Whether ``a`` is a non-empty CuPy array whose pointer or a stride of an axis longer than 1
+    is off its element grid (NumPy takes such arrays; a GPU refuses a typed load there)."""
+    if family(a) != CUPY or a.size == 0:
+        return False
     item = a.itemsize
     return a.data.ptr % item != 0 or any(s % item for n, s in zip(a.shape, a.strides) if n > 1)
 
@@ -139,7 +141,7 @@ def copy(a):
     """A fresh C-order copy of ``a``, aligned. A misaligned CuPy array is copied as bytes:
     CuPy's own copy loads elements with typed loads, which a GPU refuses off the element grid
     (CUDA_ERROR_MISALIGNED_ADDRESS, which also loses the context)."""
-    if family(a) != CUPY or a.size == 0 or not _misaligned(a):
+    if not _misaligned(a):
         return a.copy()
     fresh = sys.modules["cupy"].empty(a.shape, a.dtype)
     _bytes(fresh)[...] = _bytes(a)
@@ -149,24 +151,19 @@ def copy(a):
 def aligned(a):
     """``a``, or an aligned copy of a misaligned CuPy array (which CuPy's own operations fault
     on: see :func:`copy`)."""
-    if family(a) == CUPY and a.size and _misaligned(a):
-        return copy(a)
-    return a
+    return copy(a) if _misaligned(a) else a
 
 
 def ready(a, array_family, any_layout):
     """Whether a backend can take ``a`` as it is: every kernel where :func:`addressable`, a
     backend of array operations (``any_layout``) any array but a misaligned CuPy one."""
-    if any_layout:
-        return array_family != CUPY or a.size == 0 or not _misaligned(a)
-    return addressable(a, array_family)
+    return not _misaligned(a) if any_layout else addressable(a, array_family)
 
 
 def assign(out, a):
     """``out[...] = a`` (one shape and dtype), as bytes where ``out`` or ``a`` is a misaligned
     CuPy array (see :func:`copy`)."""
-    cupy_arrays = family(out) == CUPY and family(a) == CUPY and out.size
-    if cupy_arrays and (_misaligned(out) or _misaligned(a)):
+    if family(out) == family(a) and (_misaligned(out) or _misaligned(a)):
         _bytes(out)[...] = _bytes(a)
     else:
         out[...] = a
