@@ -132,6 +132,7 @@ def from_hf_config(
     config: Any,
     *,
     layer_type: str | None = None,
+    layer: int | None = None,
     part: str | None = None,
     style: str | None = None,
     max_positions: int | None = None,
@@ -156,7 +157,16 @@ def from_hf_config(
         ModernBERT, OLMo 3: ``"full_attention"``, ``"sliding_attention"``), the layer type
         whose RoPE to build; required there. A family that keys its parameters by labels
         (DeepSeek-V4: ``"main"``, ``"compress"``) takes a label or a layer type that maps to
-        one. :meth:`from_hf_layers` builds them all.
+        one. :meth:`from_hf_layers` builds them all. Where layers of one type differ (a
+        family that leaves some layers unrotated by index, or rotates some by their own base
+        or without the scaling rule: SmolLM3, Llama 4, Granite SWA, Molmo2), ``layer=``
+        names the one.
+    layer : int, optional
+        The index of the layer whose RoPE to build, for families whose layers choose it by
+        their index or by config fields besides their type (``no_rope_layers``,
+        ``layer_rope_theta``, ``rope_scaling_layers``, a sliding window that decides which
+        layers rotate: Cohere 2, EXAONE 4). Without it, the RoPE that every rotated layer
+        of the type asked (or of the config) shares.
     part : {"text", "vision", "audio"}, optional
         The part of a composite config to read: its ``{part}_config``. A vision tower's
         ``rope_type: "axial"`` gives a two-axis RoPE whose positions are (row, column), in the
@@ -184,13 +194,14 @@ def from_hf_config(
     RopeValueError, RopeTypeError
         Unknown fields, fields of the wrong type, fields that disagree (rope_theta and
         rotary_emb_base, hidden_size and n_embd, rotary_dim and a partial rotary factor), a
-        layer type or part the config does not have or that takes no RoPE, a file in an older
+        layer type, layer or part the config does not have or that takes no RoPE, layers asked
+        together that differ in their RoPE, a file in an older
         form its family converts by its own rules, or a RoPE the family's code builds in a way
         arrayrope cannot express (the message names the family and why).
     """
     from ._hf_config import rope_from_hf_config
 
-    return rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles)
+    return rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles, layer)
 
 
 def from_hf_layers(
@@ -201,26 +212,34 @@ def from_hf_layers(
     style: str | None = None,
     max_positions: int | None = None,
     angles: str = "exact",
-) -> dict[str, RoPE | None]:
-    """Every layer type's RoPE of a Hugging Face config with ``layer_types``.
+    per_layer: bool = False,
+) -> dict[str, RoPE | None] | list[RoPE | None]:
+    """Every layer type's RoPE of a Hugging Face config with ``layer_types``, or every
+    layer's.
 
     Parameters
     ----------
     config, part, style, max_positions, angles
         As in :meth:`from_hf_config`.
+    per_layer : bool
+        Return a list with each layer's RoPE, by layer index: for families whose layers of one
+        type differ (see ``layer`` in :meth:`from_hf_config`). Layers that rotate alike share
+        one RoPE object.
 
     Returns
     -------
-    dict
+    dict or list
         {layer type: RoPE}, in the order of the config's layer_types; None for a layer type
         whose layers take no RoPE (a family's global NoPE layers, linear attention,
         convolutions). Layer types that share one set of parameters get RoPEs built alike.
+        With ``per_layer``, [RoPE or None] with an entry per layer.
 
     Raises
     ------
     RopeValueError
-        As :meth:`from_hf_config`, and for a config without layer_types.
+        As :meth:`from_hf_config`: for a config without layer_types (without layer_types or
+        num_hidden_layers with ``per_layer``), and where the layers of one type differ.
     """
     from ._hf_config import hf_layer_ropes
 
-    return hf_layer_ropes(cls, config, style, max_positions, part, angles)
+    return hf_layer_ropes(cls, config, style, max_positions, part, angles, per_layer)

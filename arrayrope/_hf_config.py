@@ -178,16 +178,37 @@ def _rule(kind, params, cfg):
     return None
 
 
-def rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles):
+def rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles, layer=None):
     cfg = read.part_of(read.fields(config), part)
     _check_form(cfg, config)
-    if not layouts.has_rope(cfg, layer_type):
-        model_type = cfg.get("model_type")
+    model_type = cfg.get("model_type")
+    if layer is None:
+        overrides = layouts.type_rope(cfg, layer_type)
         which = "its layers" if layer_type is None else f"layers of type {layer_type!r}"
+    else:
+        kinds = layouts.layer_kinds(cfg)
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise RopeTypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < len(kinds):
+            raise RopeValueError(
+                f"layer must be in [0, {len(kinds)}) for this config (its layer_types or "
+                f"num_hidden_layers), got {layer}"
+            )
+        if layer_type is not None and layer_type != kinds[layer]:
+            raise RopeValueError(
+                f"layer {layer} is of type {kinds[layer]!r}, not layer_type {layer_type!r}"
+            )
+        layer_type = kinds[layer]
+        overrides = layouts.layer_rope(cfg, layer, layer_type)
+        which = f"layer {layer}"
+    if overrides is None:
         switch = layouts.ROPE_SWITCHES.get(model_type)
-        why = f" with {switch[0]} off" if switch else ""
-        raise RopeValueError(f"{which} of model_type {model_type!r} take no RoPE{why}")
-    return _rope(cls, cfg, style, max_positions, layer_type, angles)
+        why = f" with {switch[0]} off" if switch and not layouts.switched_on(cfg) else ""
+        verb = "takes" if layer is not None else "take"
+        raise RopeValueError(f"{which} of model_type {model_type!r} {verb} no RoPE{why}")
+    if layer is not None and read.nested(cfg) is None and not cfg.get("layer_types"):
+        layer_type = None
+    return _rope(cls, cfg, style, max_positions, layer_type, angles, overrides)
 
 
 def _check_form(cfg, config):
@@ -204,12 +225,19 @@ def _check_form(cfg, config):
             )
 
 
-def _rope(cls, cfg, style, max_positions, layer_type, angles):
-    """The RoPE of the (part's) fields ``cfg`` at ``layer_type``."""
+def _rope(cls, cfg, style, max_positions, layer_type, angles, overrides):
+    """The RoPE of the (part's) fields ``cfg`` at ``layer_type``, its rope parameters changed
+    by ``overrides`` (see layouts.layer_rope)."""
     from . import scaling as sc
 
     per_type = read.nested(cfg) is not None
     cfg, params = read.layer(cfg, layouts.rope_label(cfg, layer_type))
+    if overrides == layouts.UNSCALED:  # the config's base, without its scaling rule
+        params = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
+        params["rope_type"] = "default"
+    elif overrides:  # a layer's own base: the one its layers read
+        params = {**params, **overrides}
+        cfg = {**cfg, "rope_theta": None, "rotary_emb_base": None}
     model_type = cfg.get("model_type")
     if model_type in layouts.UNEXPRESSED:
         raise RopeValueError(f"model_type {model_type!r}: {layouts.UNEXPRESSED[model_type]}")
@@ -301,11 +329,29 @@ def _build(
     return rope
 
 
-def hf_layer_ropes(cls, config, style, max_positions, part, angles):
-    """{layer type: RoPE, or None for a layer type without RoPE} of every layer type."""
+def hf_layer_ropes(cls, config, style, max_positions, part, angles, per_layer=False):
+    """{layer type: RoPE, or None for a layer type without RoPE} of every layer type; with
+    ``per_layer``, [RoPE or None] of every layer, by index."""
     cfg = read.part_of(read.fields(config), part)
     _check_form(cfg, config)
     nested = read.nested(cfg)
+    if per_layer:
+        kinds = layouts.layer_kinds(cfg)
+        if not kinds:
+            raise RopeValueError("config has no layer_types or num_hidden_layers")
+        made, ropes = {}, []
+        for index, kind in enumerate(kinds):
+            overrides = None
+            if nested is None or nested.get(layouts.rope_label(cfg, kind)) is not None:
+                overrides = layouts.layer_rope(cfg, index, kind)
+            if overrides is None:
+                ropes.append(None)
+                continue
+            key = (kind if nested is not None else None, repr(overrides))
+            if key not in made:
+                made[key] = _rope(cls, cfg, style, max_positions, key[0], angles, overrides)
+            ropes.append(made[key])
+        return ropes
     kinds = nested if nested is not None else dict.fromkeys(cfg.get("layer_types") or [])
     if nested is not None and cfg.get("model_type") in layouts.ROPE_LABELS:
         kinds = dict.fromkeys(cfg.get("layer_types") or nested)  # each read at its label
@@ -314,8 +360,12 @@ def hf_layer_ropes(cls, config, style, max_positions, part, angles):
     ropes = {}
     for kind in kinds:
         label = layouts.rope_label(cfg, kind)
-        if nested is not None and nested.get(label) is None or not layouts.has_rope(cfg, kind):
+        overrides = None
+        if nested is None or nested.get(label) is not None:
+            overrides = layouts.type_rope(cfg, kind)
+        if overrides is None:
             ropes[kind] = None
         else:
-            ropes[kind] = _rope(cls, cfg, style, max_positions, kind if nested else None, angles)
+            layer_type = kind if nested is not None else None
+            ropes[kind] = _rope(cls, cfg, style, max_positions, layer_type, angles, overrides)
     return ropes

@@ -81,17 +81,149 @@ def rope_label(cfg, layer_type):
     return other if layer_type in (cfg.get("layer_types") or []) else layer_type
 
 
-# Layer types whose layers take no position embedding: layers that are not softmax attention
-# (convolutions, linear attention) in every family, and the global layers of families that rotate
-# only their sliding-window layers.
+# Layer types whose layers take no position embedding in every family: layers that are not
+# softmax attention (convolutions, linear attention).
 NO_ROPE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
-NO_ROPE_BY_FAMILY = {
-    family: frozenset({"full_attention"})
-    for family in (
-        "afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "flint", "kolibri1",
-        "llama4_text",
+
+
+def _entry(cfg, name, index):
+    """The per-layer field ``name`` of ``cfg`` at layer ``index``."""
+    values = cfg.get(name)
+    if not isinstance(values, (list, tuple)) or not 0 <= index < len(values):
+        raise RopeValueError(
+            f"config of model_type {cfg.get('model_type')!r} needs {name} with an entry for "
+            f"layer {index}, got {values!r}"
+        )
+    return values[index]
+
+
+def _sliding(cfg, index, kind):
+    return kind == "sliding_attention"
+
+
+def _windowed(cfg, index, kind):  # a sliding layer whose window the config sets
+    return kind == "sliding_attention" and cfg.get("sliding_window") is not None
+
+
+def _global_nope(cfg, index, kind):  # without a window every layer rotates; with one, sliding ones
+    return cfg.get("sliding_window") is None or kind == "sliding_attention"
+
+
+def _dense_prefix(cfg, index, kind):  # Cohere 2 MoE: dense layers rotate when the pattern is 1
+    forced = (
+        _entry(cfg, "mlp_layer_types", index) == "dense"
+        and cfg.get("prefix_dense_sliding_window_pattern") == 1
     )
-}  # fmt: skip
+    return forced or _windowed(cfg, index, kind)
+
+
+def _listed(name):  # a per-layer list whose entry is true (1, a nonzero theta) where layers rotate
+    return lambda cfg, index, kind: bool(_entry(cfg, name, index))
+
+
+def _own_theta(cfg, index, kind):  # Granite SWA: each layer's base, 0 for none
+    theta = _entry(cfg, "layer_rope_theta", index)
+    return {"rope_theta": theta} if theta else None
+
+
+def _scaled_layers(cfg, index, kind):  # Molmo2: layers outside the list take the unscaled rope
+    layers = cfg.get("rope_scaling_layers")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    scaled = params.get("rope_type", params.get("type", "default")) != "default"
+    return {} if not scaled or layers is None or index in layers else UNSCALED
+
+
+# The override of the rope parameters that marks a layer rotated by the config's base alone.
+UNSCALED = {"rope_type": "default"}
+
+# Families whose layers choose their RoPE by their index or by config fields besides their layer
+# type, as each family's attention and model code do: rule(cfg, layer index, layer type) gives
+# whether the layer rotates, or None (no RoPE) or the overrides of the config's rope parameters
+# that it rotates by ({}: none).
+LAYER_RULES = {
+    "afmoe": _sliding,
+    "cohere2": _windowed,
+    "flint": _windowed,
+    "cohere2_moe": _dense_prefix,
+    "exaone4": _global_nope,
+    "exaone_moe": _global_nope,
+    "kolibri1": _global_nope,
+    "llama4_text": _listed("no_rope_layers"),
+    "smollm3": _listed("no_rope_layers"),
+    "mistral_large4_text": _listed("no_rope_layers"),
+    "muse_glimmer_text": _listed("layer_rope_theta"),
+    "muse_spark_text": _listed("layer_rope_theta"),
+    "granite_swa": _own_theta,
+    "granitemoe_swa": _own_theta,
+    "molmo2_text": _scaled_layers,
+}
+
+
+def layer_kinds(cfg):
+    """The layer type of each layer (None where the config names none)."""
+    kinds = cfg.get("layer_types")
+    if kinds:
+        return list(kinds)
+    count = cfg.get("num_hidden_layers")
+    return [None] * count if type(count) is int and count > 0 else []
+
+
+def layer_rope(cfg, index, kind):
+    """None where layer ``index`` (of layer type ``kind``) takes no RoPE, else the overrides of
+    the config's rope parameters that it rotates by ({}: none)."""
+    if not switched_on(cfg) or kind in NO_ROPE_LAYER_TYPES:
+        return None
+    rule = LAYER_RULES.get(cfg.get("model_type"))
+    found = {} if rule is None else rule(cfg, index, kind)
+    if isinstance(found, bool):
+        return {} if found else None
+    return found
+
+
+def type_rope(cfg, layer_type):
+    """layer_rope shared by every layer of ``layer_type`` (None: of the layers that rotate):
+    None where they take no RoPE; a RopeValueError where the layers differ."""
+    if not switched_on(cfg) or layer_type in NO_ROPE_LAYER_TYPES:
+        return None
+    if cfg.get("model_type") not in LAYER_RULES:
+        return {}
+    found = [
+        layer_rope(cfg, i, kind)
+        for i, kind in enumerate(layer_kinds(cfg))
+        if layer_type is None or kind == layer_type
+    ]
+    if layer_type is None:
+        found = [f for f in found if f is not None] or [None]
+    distinct = [f for i, f in enumerate(found) if f not in found[:i]]
+    if len(distinct) > 1:
+        which = "its layers" if layer_type is None else f"layers of type {layer_type!r}"
+        indices = [
+            i for i, kind in enumerate(layer_kinds(cfg)) if layer_type is None or kind == layer_type
+        ]
+        groups = "; ".join(
+            f"{_describe(f)} at layers {_some([i for i, g in zip(indices, found) if g == f])}"
+            for f in distinct
+        )
+        raise RopeValueError(
+            f"{which} of model_type {cfg.get('model_type')!r} do not share one RoPE ({groups}): "
+            "pass layer= a layer index, or use RoPE.from_hf_layers(config, per_layer=True)"
+        )
+    return distinct[0] if distinct else {}
+
+
+def _some(indices):
+    shown = ", ".join(map(str, indices[:4]))
+    return shown if len(indices) <= 4 else f"{shown}, ... ({len(indices)} layers)"
+
+
+def _describe(overrides):
+    if overrides is None:
+        return "no RoPE"
+    if overrides == UNSCALED:
+        return "unscaled"
+    return ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "the config's"
+
+
 # Families whose attention takes a RoPE only where a config field says so.
 # (field, its default where a config leaves it out)
 ROPE_SWITCHES = {"zamba2": ("use_mem_rope", False), "clvp_encoder": ("use_rotary_embedding", True)}
@@ -112,16 +244,10 @@ def derived_rotary_dim(cfg):
     return max(projection // (2 * heads), 32)
 
 
-def has_rope(cfg, layer_type):
-    """Whether layers of ``layer_type`` (None: the config's one kind) take a RoPE in the family
-    of the config fields ``cfg``."""
-    model_type = cfg.get("model_type")
-    switch = ROPE_SWITCHES.get(model_type)
-    if switch is not None and not cfg.get(*switch):
-        return False
-    return layer_type not in NO_ROPE_LAYER_TYPES and layer_type not in NO_ROPE_BY_FAMILY.get(
-        model_type, ()
-    )
+def switched_on(cfg):
+    """Whether the family's switch (ROPE_SWITCHES), if it has one, turns its RoPE on."""
+    switch = ROPE_SWITCHES.get(cfg.get("model_type"))
+    return switch is None or bool(cfg.get(*switch))
 
 
 # Families whose rotary module reads a partial rotary factor with the default rope type (the

@@ -348,3 +348,116 @@ def test_rope_parameters_keyed_by_labels():
     assert ropes["heavily_compressed_attention"].base == 1.6e5
     with pytest.raises(ar.RopeValueError, match="layer_type must be one of 'main', 'compress'"):
         ar.RoPE.from_hf_config(config, layer_type="full_attention")
+
+
+def _layered(model_type, n=4, **fields):
+    return {"model_type": model_type, "head_dim": 16, "num_attention_heads": 2, "hidden_size": 32,
+            "num_hidden_layers": n, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            **fields}  # fmt: skip
+
+
+SW, FULL = "sliding_attention", "full_attention"
+
+
+def _same(a, b):
+    return (repr(a), a.scaling) == (repr(b), b.scaling) and np.array_equal(a.inv_freq, b.inv_freq)
+
+
+@pytest.mark.parametrize(
+    "config, rotated",
+    [
+        # a sliding window decides which layers rotate (each family's attention code)
+        (_layered("cohere2", layer_types=[SW, SW, SW, FULL], sliding_window=8), [1, 1, 1, 0]),
+        (_layered("cohere2", layer_types=[SW, SW, SW, FULL], sliding_window=None), [0, 0, 0, 0]),
+        (_layered("afmoe", layer_types=[SW, FULL, SW, FULL], sliding_window=None), [1, 0, 1, 0]),
+        (_layered("exaone4", layer_types=[SW, SW, SW, FULL], sliding_window=8), [1, 1, 1, 0]),
+        (_layered("exaone4", layer_types=[FULL] * 4, sliding_window=None), [1, 1, 1, 1]),
+        (
+            _layered(
+                "cohere2_moe",
+                layer_types=[FULL, SW, SW, FULL],
+                sliding_window=8,
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                prefix_dense_sliding_window_pattern=1,
+            ),
+            [1, 1, 1, 0],
+        ),  # fmt: skip
+        # by index, whatever the layer type
+        (_layered("smollm3", layer_types=[FULL] * 4, no_rope_layers=[1, 1, 1, 0]), [1, 1, 1, 0]),
+        (
+            _layered("llama4_text", layer_types=[FULL] * 4, no_rope_layers=[0, 1, 1, 1]),
+            [0, 1, 1, 1],
+        ),
+        (
+            _layered(
+                "muse_spark_text", layer_types=[FULL] * 4, layer_rope_theta=[1e4, 0, 1e4, 1e4]
+            ),
+            [1, 0, 1, 1],
+        ),  # fmt: skip
+        (_layered("zamba2", use_mem_rope=False), [0, 0, 0, 0]),
+        (
+            _layered("some_new_family", layer_types=[SW, FULL, "linear_attention", FULL]),
+            [1, 1, 0, 1],
+        ),
+    ],
+)
+def test_which_layers_rotate(config, rotated):
+    ropes = ar.RoPE.from_hf_layers(config, per_layer=True)
+    assert [r is not None for r in ropes] == [bool(r) for r in rotated]
+    assert len({id(r) for r in ropes if r is not None}) <= 1  # layers that rotate alike share one
+    for layer, r in enumerate(rotated):
+        if r:
+            assert _same(ar.RoPE.from_hf_config(config, layer=layer), ropes[layer])
+        else:
+            with pytest.raises(ar.RopeValueError, match=f"layer {layer} of model_type"):
+                ar.RoPE.from_hf_config(config, layer=layer)
+    kinds = config.get("layer_types") or [None] * 4
+    for kind in set(kinds) - {None}:
+        mine = [r for k, r in zip(kinds, rotated) if k == kind]
+        if len(set(mine)) > 1:  # layers of one type that differ: asked by type, refused
+            with pytest.raises(ar.RopeValueError, match="do not share one RoPE.*per_layer=True"):
+                ar.RoPE.from_hf_config(config, layer_type=kind)
+            with pytest.raises(ar.RopeValueError, match="do not share one RoPE"):
+                ar.RoPE.from_hf_layers(config)
+        elif not any(mine):
+            with pytest.raises(ar.RopeValueError, match="take no RoPE"):
+                ar.RoPE.from_hf_config(config, layer_type=kind)
+    if any(rotated):  # the config's RoPE: the one every rotated layer shares
+        assert _same(ar.RoPE.from_hf_config(config), next(r for r in ropes if r is not None))
+    else:
+        with pytest.raises(ar.RopeValueError, match="take no RoPE"):
+            ar.RoPE.from_hf_config(config)
+
+
+def test_layers_with_their_own_base_or_without_the_scaling_rule():
+    granite = _layered("granite_swa", layer_types=[SW, FULL, SW, FULL],
+                       layer_rope_theta=[0, 1e4, 5e5, 1e4])  # fmt: skip
+    ropes = ar.RoPE.from_hf_layers(granite, per_layer=True)
+    assert ropes[0] is None and ropes[1] is ropes[3]
+    assert (ropes[1].base, ropes[2].base) == (1e4, 5e5)
+    with pytest.raises(ar.RopeValueError, match="'sliding_attention' of model_type 'granite_swa'"):
+        ar.RoPE.from_hf_layers(granite)  # its sliding layers: one without RoPE, one at 5e5
+    with pytest.raises(ar.RopeValueError, match="do not share one RoPE"):
+        ar.RoPE.from_hf_config(granite)  # two bases among the rotated layers
+    molmo = _layered("molmo2_text", rope_scaling_layers=[0, 2],
+                     rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})  # fmt: skip
+    ropes = ar.RoPE.from_hf_layers(molmo, per_layer=True)
+    assert ropes[0] is ropes[2] and ropes[1] is ropes[3]
+    assert ropes[0].scaling == ar.scaling.Linear(4.0) and ropes[1].scaling is None
+    assert ropes[1].base == ropes[0].base == 1e4
+    x = np.random.default_rng(0).standard_normal((3, 16))
+    _close(
+        ropes[1].rotate(x, np.arange(3) * 100),
+        _hf_oracle(x, np.arange(3) * 100, 16, 16, 1e4, "half"),
+        x,
+    )
+    unscaled = {**molmo, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    assert len(set(map(id, ar.RoPE.from_hf_layers(unscaled, per_layer=True)))) == 1
+    for bad, error in [(4, ar.RopeValueError), (-1, ar.RopeValueError), (1.0, ar.RopeTypeError),
+                       (True, ar.RopeTypeError)]:  # fmt: skip
+        with pytest.raises(error, match="layer"):
+            ar.RoPE.from_hf_config(molmo, layer=bad)
+    with pytest.raises(ar.RopeValueError, match="layer 1 is of type"):
+        ar.RoPE.from_hf_config(granite, layer=1, layer_type=SW)
+    with pytest.raises(ar.RopeValueError, match="no_rope_layers with an entry for layer 3"):
+        ar.RoPE.from_hf_config(_layered("smollm3", no_rope_layers=[1, 1, 1]), layer=3)
