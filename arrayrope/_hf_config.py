@@ -59,7 +59,13 @@ _KEYS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
     "proportional": {"factor"},
     "axial": set(),
+    # see NTK_ALPHA_FAMILIES: the fields of a YaRN or dynamic rope that its checkpoints also
+    # give, which its code does not read
+    "ntk_alpha": {"alpha", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"},
 }
+# Families whose code reads a "dynamic" rope with an alpha as static NTK scaling by alpha (the
+# base times alpha ** (d / (d - 2)), whatever the length: HunYuan's checkpoints label it so).
+NTK_ALPHA_FAMILIES = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe"})
 _ALIASES = {"su": "longrope", "mrope": "default"}
 
 
@@ -69,6 +75,8 @@ def _kind(params, model_type):
         raise RopeValueError(f"rope_type {kind!r} and type {old_kind!r} disagree")
     kind = kind or old_kind or "default"
     kind = _ALIASES.get(kind, kind)
+    if kind == "dynamic" and params.get("alpha") and model_type in NTK_ALPHA_FAMILIES:
+        kind = "ntk_alpha"
     if kind not in _KEYS:
         raise RopeValueError(f"unknown rope type {kind!r}; known: {', '.join(sorted(_KEYS))}")
     unknown = set(params) - _COMMON_KEYS - _IGNORED_KEYS - _KEYS[kind]
@@ -79,7 +87,10 @@ def _kind(params, model_type):
             "frequencies, which no arrayrope scaling rule does"
         )
     if unknown:
-        raise RopeValueError(f"unknown field(s) for rope type {kind!r}: {sorted(unknown)}")
+        raise RopeValueError(
+            f"unknown field(s) for rope type {kind!r} of model_type {model_type!r}: "
+            f"{sorted(unknown)}"
+        )
     return kind
 
 
@@ -135,6 +146,8 @@ def _rule(kind, params, cfg):
     max_pos = cfg.get("max_position_embeddings")
     if kind == "linear":
         return sc.Linear(read.need(params, "factor", "rope_scaling"))
+    if kind == "ntk_alpha":
+        return sc.NTK(params["alpha"])
     if kind == "dynamic":
         # transformers grows the base past max_position_embeddings, whatever
         # original_max_position_embeddings says (its module starts there and its formula reads it)

@@ -461,3 +461,25 @@ def test_layers_with_their_own_base_or_without_the_scaling_rule():
         ar.RoPE.from_hf_config(granite, layer=1, layer_type=SW)
     with pytest.raises(ar.RopeValueError, match="no_rope_layers with an entry for layer 3"):
         ar.RoPE.from_hf_config(_layered("smollm3", no_rope_layers=[1, 1, 1]), layer=3)
+
+
+@pytest.mark.parametrize("family", ["hunyuan_v1_dense", "hunyuan_v1_moe"])
+def test_hunyuan_reads_a_dynamic_rope_with_alpha_as_static_ntk(family):
+    # as its checkpoints write it: a "dynamic" rope_scaling with alpha (and YaRN's fields, which
+    # its code does not read); base * alpha ** (d / (d - 2)) at every length
+    config = {
+        "model_type": family, "head_dim": 32, "num_attention_heads": 2, "hidden_size": 64,
+        "rope_theta": 1e4, "max_position_embeddings": 64,
+        "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    }  # fmt: skip
+    rope = ar.RoPE.from_hf_config(config)
+    assert rope.scaling == ar.scaling.NTK(1000.0)
+    x = np.random.default_rng(1).standard_normal((4, 32))
+    pos = np.array([0, 5, 63, 5000])  # past max_position_embeddings too: no dynamic growth
+    _close(rope.rotate(x, pos), _hf_oracle(x, pos, 32, 32, 1e4 * 1000.0 ** (32 / 30), "half"), x)
+    without = {**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    assert isinstance(ar.RoPE.from_hf_config(without).scaling, ar.scaling.DynamicNTK)
+    other = {**config, "model_type": "llama"}  # alpha means nothing to another family's code
+    with pytest.raises(ar.RopeValueError, match="rope type 'dynamic' of model_type 'llama'"):
+        ar.RoPE.from_hf_config(other)
