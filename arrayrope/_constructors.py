@@ -167,8 +167,12 @@ def from_hf_config(
         ``layer_rope_theta``, ``rope_scaling_layers``, a sliding window that decides which
         layers rotate: Cohere 2, EXAONE 4). Without it, the RoPE that every rotated layer
         of the type asked (or of the config) shares.
-    part : {"text", "vision", "audio"}, optional
-        The part of a composite config to read: its ``{part}_config``. A vision tower's
+    part : str, optional
+        The part of a composite config to read: its ``{part}_config`` ("text", "vision",
+        "audio", "talker", ...), at the shallowest depth that has one (Qwen-Omni keeps its
+        parts under ``thinker_config``), or a dotted path where several do ("thinker.text",
+        "talker.text"); a part without RoPE fields of its own is read at its text part. A
+        vision tower's
         ``rope_type: "axial"`` gives a two-axis RoPE whose positions are (row, column), in the
         order of the family's position ids; so does the default rope of a vision family whose
         module makes its grid positions itself (DINOv3, Llama 4's vision tower, EfficientLoFTR).

@@ -7,12 +7,13 @@ come from _hf_layouts. tests/test_hf_families.py drives every rotary family of t
 transformers through its own modules against what this builds.
 """
 
+import contextlib
 import math
 import os
 
 from . import _hf_fields as read
 from . import _hf_layouts as layouts
-from ._errors import RopeTypeError, RopeValueError
+from ._errors import RopeError, RopeTypeError, RopeValueError
 from ._spec import base_arg, dims_arg, style_arg
 
 # Families whose config class defaults rope_theta to 10000 when the file omits it.
@@ -191,8 +192,25 @@ def _rule(kind, params, cfg):
     return None
 
 
+@contextlib.contextmanager
+def _naming(cfg):
+    """Errors raised inside name the family, where they do not already."""
+    try:
+        yield
+    except RopeError as error:
+        model_type = cfg.get("model_type")
+        if model_type is None or repr(model_type) in str(error):
+            raise
+        raise type(error)(f"model_type {model_type!r}: {error}") from None
+
+
 def rope_from_hf_config(cls, config, style, max_positions, layer_type, part, angles, layer=None):
     cfg = read.part_of(read.fields(config), part)
+    with _naming(cfg):
+        return _rope_of(cls, cfg, config, style, max_positions, layer_type, angles, layer)
+
+
+def _rope_of(cls, cfg, config, style, max_positions, layer_type, angles, layer):
     _check_form(cfg, config)
     model_type = cfg.get("model_type")
     if layer is None:
@@ -346,6 +364,11 @@ def hf_layer_ropes(cls, config, style, max_positions, part, angles, per_layer=Fa
     """{layer type: RoPE, or None for a layer type without RoPE} of every layer type; with
     ``per_layer``, [RoPE or None] of every layer, by index."""
     cfg = read.part_of(read.fields(config), part)
+    with _naming(cfg):
+        return _layer_ropes(cls, cfg, config, style, max_positions, angles, per_layer)
+
+
+def _layer_ropes(cls, cfg, config, style, max_positions, angles, per_layer):
     _check_form(cfg, config)
     nested = read.nested(cfg)
     if per_layer:

@@ -45,8 +45,6 @@ _FIELDS = (
 # Video trackers whose RoPE turns the memory attention's heads: memory_attention_hidden_size,
 # divided by its downsample rate, over memory_attention_num_attention_heads.
 MEMORY_ATTENTION_FAMILIES = frozenset({"sam2_video", "sam3_tracker_video", "edgetam_video"})
-# The parts of a composite config (vision-language, speech) that may hold a RoPE.
-PARTS = ("text", "vision", "audio")
 
 
 def fields(config):
@@ -109,19 +107,55 @@ def _has_rope(cfg):
 
 def part_of(cfg, part):
     """The fields of the part of a composite config that holds the RoPE asked for: the config
-    itself where it has RoPE fields and no part was named, else its ``{part}_config``."""
-    if part is not None and part not in PARTS:
-        raise RopeValueError(f"part must be one of {', '.join(map(repr, PARTS))}, got {part!r}")
+    itself where it has RoPE fields and no part was named, else its ``{part}_config``, found at
+    the shallowest depth that has one (Qwen-Omni keeps its parts under thinker_config), or
+    along a dotted path ("talker.text"). A part with no RoPE fields of its own is read at its
+    text part."""
+    if part is not None and (not isinstance(part, str) or not part):
+        raise RopeTypeError(f"part must be a non-empty str, got {part!r}")
     if part is None and _has_rope(cfg):
         return cfg
-    sub = cfg.get(f"{part or 'text'}_config")
-    if sub is None:
+    model_type = cfg.get("model_type")
+    found = [("", cfg)]
+    for name in (part or "text").split("."):
+        found = _nearest(found, f"{name}_config")
+    if not found:
         if part is None:
             return cfg  # no RoPE fields at all: the family's defaults, or an error below
-        raise RopeValueError(f"config of model_type {cfg.get('model_type')!r} has no {part}_config")
+        parts = ", ".join(repr(p) for p, _ in _nearest([("", cfg)], None)) or "none"
+        raise RopeValueError(
+            f"config of model_type {model_type!r} has no {part!r} part (its parts: {parts})"
+        )
+    if len(found) > 1:
+        raise RopeValueError(
+            f"config of model_type {model_type!r} has {len(found)} {part or 'text'!r} parts: "
+            f"pass part= one of {', '.join(repr(p) for p, _ in found)}"
+        )
+    path, sub = found[0]
     sub = fields(sub)
-    sub.setdefault("model_type", f"{cfg.get('model_type')}_{part or 'text'}")
+    sub.setdefault("model_type", f"{model_type}_{path.replace('.', '_')}")
+    if not _has_rope(sub) and isinstance(sub.get("text_config"), dict):
+        return part_of(sub, None)
     return sub
+
+
+def _nearest(found, key):
+    """(dotted path, fields) of the sub-configs named ``key`` (any ``*_config`` where None)
+    under each of ``found``, at the shallowest depth that has one."""
+    level = [(path, cfg) for path, cfg in found]
+    while level:
+        hits, deeper = [], []
+        for path, cfg in level:
+            for k, v in cfg.items():
+                if isinstance(v, dict) and k.endswith("_config") and k != "_config":
+                    child = (f"{path}.{k[:-7]}" if path else k[:-7], v)
+                    (hits if key is None or k == key else deeper).append(child)
+        if hits and key is not None:
+            return hits
+        if key is None:
+            return hits
+        level = deeper
+    return []
 
 
 def nested(cfg):

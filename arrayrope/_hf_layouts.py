@@ -418,12 +418,12 @@ def _interleaved_sections(sections, pairs):
 def _alternating_sections(sections, pairs):
     """ERNIE-4.5-VL's M-RoPE: the pairs of the first two sections alternate between height and
     width, pair by pair, and the third section's pairs take time."""
-    height, width, time = sections
-    if height != width or sum(sections) != pairs:
+    if len(sections) != 3 or sections[0] != sections[1] or sum(sections) != pairs:
         raise RopeValueError(
-            f"mrope_section {list(sections)} must have equal height and width sections summing "
-            f"with time to the {pairs} rotated pairs"
+            f"mrope_section {list(sections)} must be three sections (height, width, time), "
+            f"height and width equal, summing to the {pairs} rotated pairs"
         )
+    height, _, time = sections
     return np.r_[np.tile([1, 2], height), np.zeros(time, np.int64)].astype(np.int64)
 
 

@@ -439,8 +439,8 @@ def test_layers_with_their_own_base_or_without_the_scaling_rule():
         ar.RoPE.from_hf_layers(granite)  # its sliding layers: one without RoPE, one at 5e5
     with pytest.raises(ar.RopeValueError, match="do not share one RoPE"):
         ar.RoPE.from_hf_config(granite)  # two bases among the rotated layers
-    molmo = _layered("molmo2_text", rope_scaling_layers=[0, 2],
-                     rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})  # fmt: skip
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}
+    molmo = _layered("molmo2_text", rope_scaling_layers=[0, 2], rope_parameters=linear)
     ropes = ar.RoPE.from_hf_layers(molmo, per_layer=True)
     assert ropes[0] is ropes[2] and ropes[1] is ropes[3]
     assert ropes[0].scaling == ar.scaling.Linear(4.0) and ropes[1].scaling is None
@@ -483,3 +483,33 @@ def test_hunyuan_reads_a_dynamic_rope_with_alpha_as_static_ntk(family):
     other = {**config, "model_type": "llama"}  # alpha means nothing to another family's code
     with pytest.raises(ar.RopeValueError, match="rope type 'dynamic' of model_type 'llama'"):
         ar.RoPE.from_hf_config(other)
+
+
+def test_composite_parts_at_any_depth_and_errors_that_name_the_family():
+    params = {"rope_type": "default", "rope_theta": 1e6}
+    text = {"model_type": "omni_text", "head_dim": 16, "num_attention_heads": 2,
+            "hidden_size": 32, "rope_parameters": params}  # fmt: skip
+    talker = {**text, "model_type": "omni_talker", "rope_parameters": {"rope_theta": 1e4}}
+    omni = {"model_type": "omni", "thinker_config": {"model_type": "thinker",
+            "text_config": text}, "talker_config": talker}  # fmt: skip
+    assert ar.RoPE.from_hf_config(omni).base == 1e6  # the thinker's text part
+    assert ar.RoPE.from_hf_config(omni, part="thinker").base == 1e6  # a part of parts: its text
+    assert ar.RoPE.from_hf_config(omni, part="talker").base == 1e4
+    both = {**omni, "talker_config": {"model_type": "talker", "text_config": talker}}
+    with pytest.raises(ar.RopeValueError, match="2 'text' parts: pass part= one of 'thinker.text'"):
+        ar.RoPE.from_hf_config(both)
+    assert ar.RoPE.from_hf_config(both, part="talker.text").base == 1e4
+    with pytest.raises(
+        ar.RopeValueError, match="no 'vision' part \\(its parts: 'thinker', 'talker'"
+    ):
+        ar.RoPE.from_hf_config(omni, part="vision")
+    with pytest.raises(ar.RopeTypeError, match="part must be a non-empty str"):
+        ar.RoPE.from_hf_config(omni, part=3)
+    # an error from deeper down names the family it was reading
+    odd = {**text, "model_type": "some_family", "head_dim": 15}
+    with pytest.raises(ar.RopeValueError, match="model_type 'some_family': head_dim must be even"):
+        ar.RoPE.from_hf_config(odd)
+    ernie = {**text, "model_type": "ernie4_5_vl_moe_text",
+             "rope_parameters": {"rope_theta": 1e4, "mrope_section": [4, 4]}}  # fmt: skip
+    with pytest.raises(ar.RopeValueError, match="must be three sections"):
+        ar.RoPE.from_hf_config(ernie)
