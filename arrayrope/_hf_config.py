@@ -234,7 +234,11 @@ def _rope_of(cls, cfg, config, style, max_positions, layer_type, angles, layer):
         which = f"layer {layer}"
     if overrides is None:
         switch = layouts.ROPE_SWITCHES.get(model_type)
-        why = f" with {switch[0]} off" if switch and not layouts.switched_on(cfg) else ""
+        why = ""
+        if switch and not layouts.switched_on(cfg):
+            field, default, on = switch
+            value = cfg.get(field, default)
+            why = f" with {field} off" if on is True else f" with {field}={value!r}"
         verb = "takes" if layer is not None else "take"
         raise RopeValueError(f"{which} of model_type {model_type!r} {verb} no RoPE{why}")
     if layer is not None and read.nested(cfg) is None and not cfg.get("layer_types"):

@@ -21,7 +21,13 @@ _FAMILY_ALIASES = {
     "zamba": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
     "zamba2": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
     "moonshine": {"num_attention_heads": ("decoder_num_attention_heads",)},
+    "wav2vec2-conformer": {"rope_theta": ("rotary_embedding_base",)},
+    "wav2vec2-bert": {"rope_theta": ("rotary_embedding_base",)},
+    "seamless_m4t": {"rope_theta": ("rotary_embedding_base",)},
 }
+# Families whose RoPE's heads are counted by another field than num_attention_heads:
+# SeamlessM4T's is its speech encoder's.
+_HEADS_FIELDS = {"seamless_m4t": "speech_encoder_attention_heads"}
 # Every field this module reads from a config: read from an object by attribute, so that its
 # class's aliases and defaults apply.
 _FIELDS = (
@@ -261,8 +267,9 @@ def head_dim(cfg):
                 "memory_attention_hidden_size or memory_attention_num_attention_heads"
             )
         return width // rate // heads
-    hidden, heads = integer(cfg, "hidden_size"), integer(cfg, "num_attention_heads")
+    heads_field = _HEADS_FIELDS.get(cfg.get("model_type"), "num_attention_heads")
+    hidden, heads = integer(cfg, "hidden_size"), integer(cfg, heads_field)
     if hidden is None or heads is None:
-        missing = "hidden_size" if hidden is None else "num_attention_heads"
+        missing = "hidden_size" if hidden is None else heads_field
         raise RopeValueError(f"config has no head_dim and no {missing!r} to derive it from")
     return hidden // heads

@@ -224,9 +224,17 @@ def _describe(overrides):
     return ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "the config's"
 
 
-# Families whose attention takes a RoPE only where a config field says so.
-# (field, its default where a config leaves it out)
-ROPE_SWITCHES = {"zamba2": ("use_mem_rope", False), "clvp_encoder": ("use_rotary_embedding", True)}
+# Families whose attention takes a RoPE only where a config field says so: (field, its default
+# where a config leaves it out, the value that turns the RoPE on; True: any true value).
+ROPE_SWITCHES = {
+    "zamba2": ("use_mem_rope", False, True),
+    "clvp_encoder": ("use_rotary_embedding", True, True),
+    # conformer speech encoders, whose attention rotates its input hidden states, viewed as
+    # heads, before the q and k projections (by base rotary_embedding_base)
+    "wav2vec2-conformer": ("position_embeddings_type", "relative", "rotary"),
+    "wav2vec2-bert": ("position_embeddings_type", "relative_key", "rotary"),
+    "seamless_m4t": ("position_embeddings_type", "relative", "rotary"),
+}
 
 
 def derived_rotary_dim(cfg):
@@ -247,7 +255,11 @@ def derived_rotary_dim(cfg):
 def switched_on(cfg):
     """Whether the family's switch (ROPE_SWITCHES), if it has one, turns its RoPE on."""
     switch = ROPE_SWITCHES.get(cfg.get("model_type"))
-    return switch is None or bool(cfg.get(*switch))
+    if switch is None:
+        return True
+    field, default, on = switch
+    value = cfg.get(field, default)
+    return bool(value) if on is True else value == on
 
 
 # Families whose rotary module reads a partial rotary factor with the default rope type (the

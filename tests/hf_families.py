@@ -62,7 +62,7 @@ def modules(applying=False):
     for path in sorted(glob.glob(os.path.join(root, "*", "modeling_*.py"))):
         with open(path) as f:
             source = f.read()
-        if not re.search(r"RotaryEmbedding|def apply_rotary|rotate_half", source):
+        if not re.search(r"Rotary\w*Embedding|def apply_rotary|rotate_half", source):
             continue
         if applying and not re.search(r"(?<!def )\bapply_rotary\w*\(", source):
             continue
@@ -346,7 +346,9 @@ BIT_EXACT = "apply_cos_sin of its own tables gives its q and k bit for bit"
 HF_ANGLES = "angles='transformers' gives them too"
 # Families that normalize q and k after the rotation (so that a scaling rule's attention factor
 # cancels there): their results are compared up to that factor.
-NORMALIZED_AFTER = frozenset({"llama4", "nanochat", "timesfm2_5"})
+NORMALIZED_AFTER = frozenset(
+    {"hunyuan_v1_dense", "hunyuan_v1_moe", "llama4", "nanochat", "timesfm2_5"}
+)
 
 
 def _same_rope(a, b):
@@ -513,6 +515,8 @@ def drive(module_name, rotary_name, seed=0, variant=None):
     import hf_grid_families
 
     found = hf_grid_families.drive_grid(module_name, rotary_name, variant)
+    if found is None:
+        found = _drive_hidden_states(module_name, rotary_name, seed, variant)
     if found is not None:
         return found
     first = None
@@ -523,6 +527,43 @@ def drive(module_name, rotary_name, seed=0, variant=None):
         if result.status != UNDRIVEN:
             return result
         first = first or result
+
+
+def _drive_hidden_states(module_name, rotary_name, seed, variant):
+    """The Outcome of a rotary class whose attention rotates its input hidden states, viewed as
+    heads, before its q and k projections (the conformer speech encoders: an attention class
+    with its own _apply_rotary_embedding), or None for other classes. Driven with the config
+    class's defaults and the rotary position embedding its config chooses."""
+    import torch
+
+    module = importlib.import_module(module_name)
+    family = module_name.split(".")[2]
+    attentions = [c for c in vars(module).values() if hasattr(c, "_apply_rotary_embedding")]
+    if not attentions:
+        return None
+    rotary_cls = getattr(module, rotary_name)
+    config = next(
+        c.config_class() for name, c in vars(module).items()
+        if name.endswith("PreTrainedModel") and c.__module__ == module_name
+    )  # fmt: skip
+    if variant is not None:  # no rope parameters to vary
+        return Outcome(family, rotary_name, config.model_type, UNDRIVEN, "no rope parameters")
+    config.position_embeddings_type = "rotary"
+    rng = np.random.default_rng(zlib.crc32(rotary_name.encode()) + seed)
+    B, T = 2, 7
+    hidden = torch.from_numpy(rng.standard_normal((B, T, config.hidden_size)).astype(np.float32))
+    embeddings = rotary_cls(config)(hidden)
+    theirs = attentions[0](config)._apply_rotary_embedding(hidden, embeddings).numpy()
+    try:
+        rope = ar.RoPE.from_hf_config(config)
+    except ar.RopeError as e:
+        return Outcome(family, rotary_name, config.model_type, REFUSED, str(e))
+    x = hidden.numpy().reshape(B, T, -1, rope.head_dim)
+    pos = np.arange(T)[:, None]  # along the sequence, each head alike
+    ours = rope.rotate(x, pos).reshape(B, T, -1)
+    ok, err = _close(ours, theirs, x, pos)
+    status, note = (MATCH, "hidden states rotated") if ok else (WRONG, f"off by {err:.2g}")
+    return Outcome(family, rotary_name, config.model_type, status, f"{note}: {rope!r}")
 
 
 def _drive(module_name, rotary_name, seed, variant, part):
@@ -574,6 +615,13 @@ def _drive(module_name, rotary_name, seed, variant, part):
             if flat and parameters.get("rope_type") == "default":
                 length = getattr(candidate, "max_position_embeddings", None) or 4096
                 candidate.rope_parameters = VARIANTS[variant](parameters, length)
+    for candidate in _sub_configs(top):
+        _repaired(candidate)  # before the rotary module reads it: a variant's fields too
+        # a family whose config switches its rotary embedding off by default (Zamba2's
+        # use_mem_rope) is driven with it on
+        for name, value in vars(candidate).items():
+            if name.startswith("use_") and "rope" in name and value is False:
+                setattr(candidate, name, True)
     built = 0
     for candidate in _sub_configs(top):
         try:
@@ -590,13 +638,12 @@ def _drive(module_name, rotary_name, seed, variant, part):
     if config is None:
         return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
     model_type = getattr(config, "model_type", None)
-    if (
-        variant == "yarn"
-        and (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "yarn"
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if (variant == "yarn" and parameters.get("rope_type") != "yarn") or (
+        variant == "partial" and parameters.get("partial_rotary_factor") != 0.5
     ):
         return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
     for c in _sub_configs(top):
-        _repaired(c)
         # DBRX's attention reads rope_theta from its attention sub-config, which transformers
         # 5 moved into the top config's rope parameters, and clamps by clip_qkv, which its
         # config class leaves None (its checkpoints give 8)
