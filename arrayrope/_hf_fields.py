@@ -21,9 +21,22 @@ _FAMILY_ALIASES = {
     "zamba": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
     "zamba2": {"head_dim": ("attention_head_dim",), "layer_types": ("layers_block_type",)},
     "moonshine": {"num_attention_heads": ("decoder_num_attention_heads",)},
+    "bailing_hybrid": {"max_position_embeddings": ("model_max_length",)},
+    "bamba": {"layer_types": ("layers_block_type",)},
+    "falcon_h1": {"layer_types": ("layers_block_type",)},
+    "nemotron_h": {"layer_types": ("layers_block_type",)},
+    "recurrent_gemma": {"layer_types": ("layers_block_type",)},
+    "glm4_moe_lite": {"head_dim": ("qk_rope_head_dim",)},
+    "idefics_vision": {"hidden_size": ("embed_dim",)},
+    "mllama_vision_model": {"num_attention_heads": ("attention_heads",)},
+    "qwen2_5_omni_audio_encoder": {"num_attention_heads": ("encoder_attention_heads",)},
+    "qwen3_omni_moe_audio_encoder": {"num_attention_heads": ("encoder_attention_heads",)},
     "wav2vec2-conformer": {"rope_theta": ("rotary_embedding_base",)},
     "wav2vec2-bert": {"rope_theta": ("rotary_embedding_base",)},
-    "seamless_m4t": {"rope_theta": ("rotary_embedding_base",)},
+    "seamless_m4t": {
+        "rope_theta": ("rotary_embedding_base",),
+        "num_attention_heads": ("decoder_attention_heads",),  # its RoPE's: _HEADS_FIELDS
+    },
 }
 # Families whose RoPE's heads are counted by another field than num_attention_heads:
 # SeamlessM4T's is its speech encoder's.

@@ -7,6 +7,11 @@ import subprocess
 import sys
 import time
 
+# pytest -n runs several processes on the same cores, each with OpenMP threads (Numba's omp
+# layer, PyTorch's): idle ones spin by default and take the cores the other processes need.
+# Read when the OpenMP runtime starts, so set here, before anything imports Numba or PyTorch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Without a GPU, numba.cuda kernels run under Numba's CUDA simulator. The switch is read when
 # Numba is first imported, so it is set here, before any test module imports it.
 GPU_PRESENT = os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None

@@ -493,17 +493,54 @@ def _attention_classes(module, module_name, rotary_cls):
     return sorted(found, key=lambda c: not re.search("Attention|MLA", c.__name__))
 
 
-# The variants each family is also driven with: YaRN at a quarter of the family's length, and half
-# the head rotated (which the default rope of most families ignores, as arrayrope must too).
+# The variants each family is also driven with: YaRN at a quarter of the family's length, half
+# the head rotated (which the default rope of most families ignores, as arrayrope must too), and
+# one more scaling rule, each family its own (by its rotary class's name), so that every rule is
+# driven through some four dozen families' code. Each applies to a config's default parameters,
+# flat or per layer type: f(parameters, length, rotated width, rotary class name).
+SCALING_RULES = ("linear", "dynamic", "llama3", "longrope")
+
+
+def _scaling_rule(name):
+    return SCALING_RULES[zlib.crc32(name.encode()) % len(SCALING_RULES)]
+
+
+def _scaled(parameters, length, dim, name):
+    kind, orig = _scaling_rule(name), max(16, length // 4)
+    if kind in ("linear", "dynamic"):
+        return {**parameters, "rope_type": kind, "factor": 2.0}
+    if kind == "llama3":
+        return {
+            **parameters, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": orig,
+        }  # fmt: skip
+    pairs = max(1, dim // 2)
+    return {
+        **parameters, "rope_type": "longrope", "original_max_position_embeddings": orig,
+        "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+        "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+    }  # fmt: skip
+
+
 VARIANTS = {
-    "yarn": lambda parameters, length: {
+    "yarn": lambda parameters, length, dim, name: {
         **parameters, "rope_type": "yarn", "factor": 4.0,
         "original_max_position_embeddings": max(16, length // 4),
     },
-    "partial": lambda parameters, length: {
+    "partial": lambda parameters, length, dim, name: {
         **parameters, "rope_type": "default", "partial_rotary_factor": 0.5
     },
+    "scaled": _scaled,
 }  # fmt: skip
+
+
+def _took(variant, parameters, name):
+    """Whether rope parameters (one layer type's) are a variant's."""
+    if variant == "yarn":
+        return parameters.get("rope_type") == "yarn"
+    if variant == "partial":
+        return parameters.get("partial_rotary_factor") == 0.5
+    return parameters.get("rope_type") == _scaling_rule(name)
 
 
 def drive(module_name, rotary_name, seed=0, variant=None):
@@ -610,11 +647,35 @@ def _drive(module_name, rotary_name, seed, variant, part):
     if variant is not None:
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)
-            keys = getattr(candidate, "nested_rope_parameter_keys", lambda p: [])(parameters or {})
-            flat = isinstance(parameters, dict) and not keys
-            if flat and parameters.get("rope_type") == "default":
-                length = getattr(candidate, "max_position_embeddings", None) or 4096
-                candidate.rope_parameters = VARIANTS[variant](parameters, length)
+            if not isinstance(parameters, dict):
+                continue
+            keys = getattr(candidate, "nested_rope_parameter_keys", lambda p: [])(parameters)
+            length = getattr(candidate, "max_position_embeddings", None) or 4096
+            try:
+                head = getattr(candidate, "head_dim", None) or (
+                    (getattr(candidate, "hidden_size", None) or 0)
+                    // (getattr(candidate, "num_attention_heads", None) or 1)
+                )
+            except Exception:  # noqa: BLE001 - a per-layer head size (Gemma 4's)
+                head = 0
+
+            mla = getattr(candidate, "qk_rope_head_dim", None) is not None
+
+            def varied(params, head=head, length=length, mla=mla):
+                # a partial factor of an MLA config's head_dim would reach past its rotary part
+                if params.get("rope_type") != "default" or (mla and variant == "partial"):
+                    return params
+                partial = params.get("partial_rotary_factor")
+                dim = int(head * partial) if partial else head
+                return VARIANTS[variant](params, length, dim, rotary_name)
+
+            if not keys:
+                candidate.rope_parameters = varied(parameters)
+            else:
+                candidate.rope_parameters = {
+                    k: varied(v) if k in keys and isinstance(v, dict) else v
+                    for k, v in parameters.items()
+                }
     for candidate in _sub_configs(top):
         _repaired(candidate)  # before the rotary module reads it: a variant's fields too
         # a family whose config switches its rotary embedding off by default (Zamba2's
@@ -639,10 +700,10 @@ def _drive(module_name, rotary_name, seed, variant, part):
         return outcome(UNDRIVEN, f"no config of {config_cls.__name__} builds it: {error!r}")
     model_type = getattr(config, "model_type", None)
     parameters = getattr(config, "rope_parameters", None) or {}
-    if (variant == "yarn" and parameters.get("rope_type") != "yarn") or (
-        variant == "partial" and parameters.get("partial_rotary_factor") != 0.5
-    ):
-        return outcome(UNDRIVEN, "its config has no flat default rope parameters", model_type)
+    keys = getattr(config, "nested_rope_parameter_keys", lambda p: [])(parameters)
+    layers = [parameters[k] for k in keys if isinstance(parameters.get(k), dict)] or [parameters]
+    if variant is not None and not any(_took(variant, p, rotary_name) for p in layers):
+        return outcome(UNDRIVEN, "its config has no default rope parameters to vary", model_type)
     for c in _sub_configs(top):
         # DBRX's attention reads rope_theta from its attention sub-config, which transformers
         # 5 moved into the top config's rope parameters, and clamps by clip_qkv, which its

@@ -84,3 +84,22 @@ def test_discovery_finds_the_families():
     # misses most of them (a renamed folder, a moved module) must not pass quietly
     assert len(COMPONENTS) >= 200
     assert len({c[0] for c in COMPONENTS}) >= 180
+
+
+def test_every_field_name_a_config_class_maps_is_read():
+    # a config class's attribute_map gives its own names of fields from_hf_config reads
+    # (BailingHybrid's model_max_length for max_position_embeddings): a config.json, read as a
+    # dict, has only those names, so each must be one of arrayrope's aliases
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from arrayrope import _hf_fields
+
+    rotary = {family for family, _ in hf_families.modules()}
+    read = set(_hf_fields._FIELDS) - {"model_type"}
+    for model_type, config_cls in CONFIG_MAPPING.items():
+        if config_cls.__module__.split(".")[2] not in rotary:
+            continue
+        aliases = {**_hf_fields._FIELD_ALIASES, **_hf_fields._FAMILY_ALIASES.get(model_type, {})}
+        for field, name in (getattr(config_cls, "attribute_map", None) or {}).items():
+            if field in read:
+                assert name in aliases.get(field, ()), (model_type, field, name)

@@ -440,10 +440,10 @@ def test_from_hf_config_layer_type_errors():
     with pytest.raises(RopeValueError, match="layer type 'x' of this config has no RoPE"):
         ar.RoPE.from_hf_config(nested, layer_type="x")
     assert ar.RoPE.from_hf_layers(nested)["x"] is None
-    with pytest.raises(RopeValueError, match="has no vision_config"):
+    with pytest.raises(RopeValueError, match="has no 'vision' part"):
         ar.RoPE.from_hf_config(LLAMA2_7B, part="vision")
-    with pytest.raises(RopeValueError, match="part must be one of"):
-        ar.RoPE.from_hf_config(LLAMA2_7B, part="speech")
+    with pytest.raises(ar.RopeTypeError, match="part must be a non-empty str"):
+        ar.RoPE.from_hf_config(LLAMA2_7B, part="")
 
 
 def _write(tmp_path, config):
