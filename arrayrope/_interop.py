@@ -364,3 +364,60 @@ def rotate_dask(rope, mode, xs, pos, inverse, outs, backend, seq_len):
 
         results.append(da.map_blocks(rotate_block, x, aligned, dtype=x.dtype, meta=x._meta))
     return tuple(results)
+
+
+def apply_cos_sin_dask(xs, cos, sin, style, rotary_dim, inverse, head_axis, backend, names):
+    """Lazy apply_cos_sin of dask arrays: each chunk by the kernels of its chunk type, with
+    its slice of the tables (NumPy or dask arrays), which enter the graph compact and are
+    broadcast per chunk, as rotate_dask's positions. The feature axis is made whole first."""
+    import dask.array as da
+
+    from . import _api
+    from ._spec import with_head_axis
+
+    if not all(is_dask(x) for x in xs):
+        raise RopeTypeError("q and k must both be dask arrays, or neither")
+    for name, x in zip(names, xs):
+        if x.ndim == 0 or _arrays.compute_dtype(x.dtype) is None:
+            raise RopeTypeError(
+                f"{name} must be float16, bfloat16, float32 or float64 with a feature axis, got "
+                f"dtype {x.dtype} and shape {x.shape}"
+            )
+    tables = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not is_dask(t):
+            t = np.asarray(t)
+        if t.ndim == 0:
+            raise RopeValueError(f"{name} must end in the table axis, got a 0-d array")
+        tables.append(t)
+    if tables[0].shape != tables[1].shape:
+        raise RopeValueError(
+            f"cos and sin must have one shape, got {tables[0].shape} and {tables[1].shape}"
+        )
+    lead, width = tables[0].shape[:-1], tables[0].shape[-1]
+    if head_axis is not None:
+        lead = with_head_axis(np.empty(lead, np.int8), head_axis, xs[0], 1, "cos").shape
+    _positions.with_axes(np.empty(lead, np.int8), 1, [x.shape[:-1] for x in xs], "cos")
+    results = []
+    for x in xs:
+        if len(x.chunks[-1]) > 1:
+            x = x.rechunk({x.ndim - 1: -1})
+        padded = (1,) * (x.ndim - 1 - len(lead)) + tuple(lead) + (width,)
+        source_chunks = tuple(
+            (1,) if n == 1 else x.chunks[i] for i, n in enumerate(padded[:-1])
+        ) + ((width,),)
+        aligned = []
+        for t in tables:
+            t = t.reshape(padded)
+            source = t.rechunk(source_chunks) if is_dask(t) else da.from_array(t, source_chunks)
+            aligned.append(
+                da.broadcast_to(source, x.shape[:-1] + (width,), x.chunks[:-1] + ((width,),))
+            )
+
+        def apply_block(block, c, s):
+            return _api.apply_cos_sin(
+                block, c, s, style=style, rotary_dim=rotary_dim, inverse=inverse, backend=backend
+            )
+
+        results.append(da.map_blocks(apply_block, x, *aligned, dtype=x.dtype, meta=x._meta))
+    return tuple(results)

@@ -8,7 +8,7 @@ place, and the refusals.
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import DTYPES, assert_matches, bits, poisoned, random_array
 
@@ -198,6 +198,40 @@ def test_framework_arrays_come_back_as_their_own_type(rng):
     y = ar.apply_cos_sin(torch.from_numpy(x), learned, torch.from_numpy(sin), **kw)
     y.sum().backward()
     assert learned.grad is not None and learned.grad.shape == learned.shape
+
+
+@settings(max_examples=20)  # each builds and computes four graphs
+@given(
+    chunks=st.tuples(*[st.integers(1, 4)] * 3),
+    style=st.sampled_from(["interleaved", "half"]),
+    duplicated=st.booleans(),
+    per_sequence=st.booleans(),
+    lazy_tables=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dask_arrays_chunk_by_chunk(chunks, style, duplicated, per_sequence, lazy_tables, seed):
+    da = pytest.importorskip("dask.array", reason="dask is not installed")
+    rng = np.random.default_rng(seed)
+    x = random_array(rng, (2, 3, 5, 8), np.float32)
+    angle = rng.uniform(-10, 10, (2, 5, 4) if per_sequence else (5, 4))
+    if duplicated:
+        angle = np.concatenate([angle, angle], -1) if style == "half" else angle.repeat(2, -1)
+    cos, sin = np.cos(angle), np.sin(angle)
+    kw = dict(style=style, rotary_dim=8, head_axis=1 if per_sequence else None)
+    want = ar.apply_cos_sin(x, cos, sin, **kw)
+    lazy = da.from_array(x, chunks=chunks + (3,))  # the feature axis split too: made whole
+    if lazy_tables:
+        cos, sin = da.from_array(cos, chunks=2), da.from_array(sin, chunks=2)
+    got = ar.apply_cos_sin(lazy, cos, sin, **kw)
+    assert isinstance(got, da.Array)
+    assert np.array_equal(bits(got.compute()), bits(want))
+    q, k = ar.apply_cos_sin_qk(lazy, lazy[:, :1], cos, sin, **kw)
+    assert np.array_equal(bits(q.compute()), bits(want))
+    assert np.array_equal(bits(k.compute()), bits(want[:, :1]))
+    with pytest.raises(ar.RopeValueError, match="out is not supported for dask"):
+        ar.apply_cos_sin(lazy, cos, sin, out=lazy, **kw)
+    with pytest.raises(ar.RopeValueError, match="does not broadcast|lines up as"):
+        ar.apply_cos_sin(lazy, cos[..., :3, :], sin[..., :3, :], **kw)
 
 
 def _torch_reference(torch, x, cos, sin, style, rotary_dim, head_axis):
