@@ -80,10 +80,14 @@ def test_every_module_that_rotates_is_driven_or_named():
 
 
 def test_discovery_finds_the_families():
-    # transformers 5.24 has 232 rotary modules in 204 modeling packages; a discovery that
-    # misses most of them (a renamed folder, a moved module) must not pass quietly
-    assert len(COMPONENTS) >= 200
-    assert len({c[0] for c in COMPONENTS}) >= 180
+    # transformers 5.24 has 235 rotary modules in 207 modeling packages; a discovery that
+    # misses most of them (a renamed folder, a moved module) must not pass quietly. test_family
+    # passes a module's defaults only where they match or the module is named above, so at
+    # least 200 families match where this and every test_family pass.
+    named = set(REFUSED) | set(NOT_DRIVEN)
+    matching = [c for c in COMPONENTS if c[2] not in named]
+    assert len(matching) >= 200
+    assert len({c[0] for c in matching}) >= 200
 
 
 def test_every_field_name_a_config_class_maps_is_read():
