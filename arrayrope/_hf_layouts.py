@@ -82,8 +82,8 @@ def rope_label(cfg, layer_type):
 
 
 # Layer types whose layers take no position embedding in every family: layers that are not
-# softmax attention (convolutions, linear attention).
-NO_ROPE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
+# softmax attention (convolutions, linear attention, NemotronH's MLP and MoE blocks).
+NO_ROPE_LAYER_TYPES = frozenset({"conv", "linear_attention", "mlp", "moe"})
 
 
 def _entry(cfg, name, index):
