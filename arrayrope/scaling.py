@@ -237,7 +237,9 @@ class Llama3(ScalingRule):
     Parameters
     ----------
     factor, low_freq_factor, high_freq_factor : float > 0
-        As in Llama 3.1's ``rope_scaling`` (8, 1, 4).
+        As in Llama 3.1's ``rope_scaling`` (8, 1, 4); high_freq_factor >= low_freq_factor.
+        Equal factors (Llama 4 Scout's 1, 1) leave no band between: wavelengths above
+        orig / low_freq_factor are divided, the rest kept.
     original_max_positions : int
         The training context (8192).
 
@@ -259,9 +261,9 @@ class Llama3(ScalingRule):
             high_freq_factor=_positive,
             original_max_positions=_length,
         )
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.high_freq_factor < self.low_freq_factor:
             raise RopeValueError(
-                f"high_freq_factor ({self.high_freq_factor}) must be > low_freq_factor "
+                f"high_freq_factor ({self.high_freq_factor}) must be >= low_freq_factor "
                 f"({self.low_freq_factor})"
             )
 
@@ -272,6 +274,8 @@ class Llama3(ScalingRule):
         low_wavelen = orig / self.low_freq_factor
         high_wavelen = orig / self.high_freq_factor
         scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        if self.high_freq_factor == self.low_freq_factor:  # no band between
+            return scaled
         smooth = (orig / wavelen - self.low_freq_factor) / (
             self.high_freq_factor - self.low_freq_factor
         )

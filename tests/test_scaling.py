@@ -200,10 +200,21 @@ def test_scaling_through_module_functions_and_multi_axis():
     np.testing.assert_allclose(axial.inv_freq, np.concatenate([inv_freq(16), inv_freq(16)]) / 2)
 
 
+def test_llama3_with_equal_factors_has_no_band_between():
+    # Llama 4 Scout's rope_scaling: low_freq_factor = high_freq_factor = 1
+    orig, factor = 8192, 16.0
+    plain = inv_freq(128, 5e5)
+    wavelen = 2 * np.pi / plain
+    want = np.where(wavelen > orig, plain / factor, plain)
+    got = ar.RoPE(128, base=5e5, scaling=Llama3(factor, 1.0, 1.0, orig)).inv_freq
+    np.testing.assert_allclose(got, want, rtol=1e-15)
+    assert (got != plain).any() and (got == plain).any()
+
+
 def test_rule_errors():
     with pytest.raises(RopeValueError, match="factor must be finite and > 0, got -2"):
         Linear(-2)
-    with pytest.raises(RopeValueError, match=r"high_freq_factor \(1.0\) must be > low_freq"):
+    with pytest.raises(RopeValueError, match=r"high_freq_factor \(1.0\) must be >= low_freq"):
         Llama3(8, 4, 1, 8192)
     with pytest.raises(RopeValueError, match="one value per pair, got 3 and 2"):
         LongRoPE((1, 1, 1), (1, 1), 4096)
