@@ -234,6 +234,10 @@ ROPE_SWITCHES = {
     "wav2vec2-conformer": ("position_embeddings_type", "relative", "rotary"),
     "wav2vec2-bert": ("position_embeddings_type", "relative_key", "rotary"),
     "seamless_m4t": ("position_embeddings_type", "relative", "rotary"),
+    # encoders that choose their position embedding by the same kind of field
+    "esm": ("position_embedding_type", "absolute", "rotary"),
+    "evolla_protein_encoder": ("position_embedding_type", "absolute", "rotary"),
+    "granitemoehybrid": ("position_embedding_type", None, "rope"),
 }
 
 

@@ -639,11 +639,13 @@ def _drive(module_name, rotary_name, seed, variant, part):
             candidate.rope_parameters = {
                 t: {"rope_type": "default", "rope_theta": theta} for t in dict.fromkeys(types)
             }
+    # a family whose config chooses its position embedding (ESM: absolute by default,
+    # GraniteMoeHybrid: none) is driven with its rotary one, by the name its code compares
+    source = inspect.getsource(module)
+    rotary_value = "rope" if re.search(r'position_embedding_type == "rope"', source) else "rotary"
     for candidate in _sub_configs(top):
-        # a family whose config chooses its position embedding (ESM: absolute by default) is
-        # driven with its rotary one
-        if getattr(candidate, "position_embedding_type", "rotary") != "rotary":
-            candidate.position_embedding_type = "rotary"
+        if getattr(candidate, "position_embedding_type", rotary_value) != rotary_value:
+            candidate.position_embedding_type = rotary_value
     if variant is not None:
         for candidate in _sub_configs(top):
             parameters = getattr(candidate, "rope_parameters", None)

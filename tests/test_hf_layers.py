@@ -179,3 +179,33 @@ def test_every_per_layer_rope_field_is_read():
                 fields = [k for k in _per_layer_fields(config) if "rope" in k]
                 if fields:
                     assert config.model_type in _hf_layouts.LAYER_RULES, (config.model_type, fields)
+
+
+def test_every_position_embedding_switch_is_read():
+    # a config that chooses its position embedding by a field (ESM's position_embedding_type,
+    # GraniteMoeHybrid's "rope" or none, the conformers' position_embeddings_type) must be a
+    # family of ROPE_SWITCHES, or from_hf_config gives a RoPE to a model that rotates nothing
+    import hf_families
+
+    rotary = {family for family, _ in hf_families.modules()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for config_cls in CONFIG_MAPPING.values():
+            if config_cls.__module__.split(".")[2] not in rotary:
+                continue
+            try:
+                top = config_cls()
+            except Exception:  # noqa: BLE001 - a config class without defaults
+                continue
+            parts = [(top.model_type, top)] + [
+                (v.model_type or f"{top.model_type}_{k.removesuffix('_config')}", v)
+                for k, v in vars(top).items()
+                if isinstance(v, transformers.PreTrainedConfig)
+            ]
+            for model_type, config in parts:
+                fields = {"position_embedding_type", "position_embeddings_type"} & set(vars(config))
+                if fields:
+                    assert model_type in _hf_layouts.ROPE_SWITCHES, (model_type, fields)
+    for model_type in ("esm", "granitemoehybrid"):  # off by default in both
+        with pytest.raises(ar.RopeValueError, match="take no RoPE with position_emb"):
+            ar.RoPE.from_hf_config(CONFIG_MAPPING[model_type]())
