@@ -120,7 +120,7 @@ def _theta(cfg, params, per_type=False):
                 "known default"
             )
         theta = 10000.0
-    if not (isinstance(theta, (int, float)) and math.isfinite(theta)):
+    if isinstance(theta, bool) or not (isinstance(theta, (int, float)) and math.isfinite(theta)):
         raise RopeValueError(f"rope_theta must be a finite number, got {theta!r}")
     return float(theta)
 

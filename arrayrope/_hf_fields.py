@@ -229,9 +229,15 @@ def layer(cfg, layer_type):
 def _layer_overrides(cfg, layer_type):
     """The per-layer fields (a heterogeneous config's per_layer_config, keyed by layer index)
     of the layers of ``layer_type``; the head sizes they give must agree."""
-    per_layer = {
-        int(k): v for k, v in (cfg.get("per_layer_config") or {}).items() if str(k).isdigit()
-    }
+    found_per_layer = cfg.get("per_layer_config") or {}
+    if not isinstance(found_per_layer, dict) or not all(
+        isinstance(v, dict) for v in found_per_layer.values()
+    ):
+        raise RopeTypeError(
+            f"per_layer_config must map layer indices to mappings of fields, got "
+            f"{found_per_layer!r:.200}"
+        )
+    per_layer = {int(k): v for k, v in found_per_layer.items() if str(k).isdigit()}
     found, sizes = None, set()
     for index, kind in enumerate(cfg.get("layer_types") or []):
         if kind == layer_type:

@@ -7,7 +7,7 @@ run a family's own module.
 
 import numpy as np
 
-from ._errors import RopeValueError
+from ._errors import RopeTypeError, RopeValueError
 
 # Families whose modeling code rotates adjacent pairs (x[2i], x[2i+1]): GPT-J's
 # rotate_every_two, rotate_half over [..., ::2] with repeat-interleaved cos/sin (Cohere, GLM,
@@ -128,7 +128,11 @@ def _own_theta(cfg, index, kind):  # Granite SWA: each layer's base, 0 for none
 
 def _scaled_layers(cfg, index, kind):  # Molmo2: layers outside the list take the unscaled rope
     layers = cfg.get("rope_scaling_layers")
+    if layers is not None and not isinstance(layers, (list, tuple)):
+        raise RopeTypeError(f"rope_scaling_layers must be a list of layer indices, got {layers!r}")
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        return {}  # refused as the config's parameters are read
     scaled = params.get("rope_type", params.get("type", "default")) != "default"
     return {} if not scaled or layers is None or index in layers else UNSCALED
 

@@ -513,3 +513,23 @@ def test_composite_parts_at_any_depth_and_errors_that_name_the_family():
              "rope_parameters": {"rope_theta": 1e4, "mrope_section": [4, 4]}}  # fmt: skip
     with pytest.raises(ar.RopeValueError, match="must be three sections"):
         ar.RoPE.from_hf_config(ernie)
+
+
+@pytest.mark.parametrize(
+    "changes, kw, error, words",
+    [
+        ({"model_type": "molmo2_text", "rope_scaling_layers": 3}, {"layer": 0}, ar.RopeTypeError,
+         "rope_scaling_layers must be a list"),
+        ({"model_type": "molmo2_text", "rope_parameters": "x"}, {"layer": 1}, ar.RopeTypeError,
+         "must be a mapping"),
+        ({"per_layer_config": {"0": "x"}, "layer_types": [FULL] * 4,
+          "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1e4}}},
+         {"layer_type": FULL}, ar.RopeTypeError, "per_layer_config must map"),
+        ({"rope_parameters": {"rope_theta": True}}, {}, ar.RopeValueError, "finite number"),
+        ({"model_type": "smollm3", "no_rope_layers": 1}, {"layer": 0}, ar.RopeValueError,
+         "no_rope_layers with an entry for layer 0"),
+    ],
+)  # fmt: skip
+def test_malformed_per_layer_fields_are_refused(changes, kw, error, words):
+    with pytest.raises(error, match=words):
+        ar.RoPE.from_hf_config({**_layered("some_family"), **changes}, **kw)
