@@ -70,12 +70,12 @@ def fields(config):
     """The config's fields as a dict: from a dict, a config.json (or a model folder holding
     one), or an object (a transformers config: its fields read through its attributes)."""
     if isinstance(config, dict):
-        return _canonical(dict(config))
+        return _derived(_canonical(dict(config)))
     if isinstance(config, (str, os.PathLike)):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else config
         try:
             with open(path) as f:
-                return _canonical(json.load(f))
+                return _derived(_canonical(json.load(f)))
         except OSError as error:
             raise RopeValueError(f"config path {str(path)!r} cannot be read: {error}") from None
         except json.JSONDecodeError as error:
@@ -98,9 +98,71 @@ def fields(config):
     )
 
 
+# Names transformers' config classes give in place of a file's: a model type a class renames
+# (EXAONE 4.5's released text model), and the older layer type names it maps to the current ones.
+_MODEL_TYPE_RENAMES = {"exaone4_5_text": "exaone4"}
+_LEGACY_LAYER_TYPES = {
+    "mamba": "linear_attention",
+    "attention": "full_attention",
+    "deepseek_sparse_attention": "indexed_attention",
+    "qwen_sparse_attention": "indexed_attention",
+}
+
+
+def _every(pattern, count):
+    """Layer types of ``count`` layers where every ``pattern``-th is global, the rest sliding."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(count)]
+
+
+def _cohere2_moe(cfg, count):
+    dense = cfg.get("first_k_dense_replace", 0)
+    kinds = _every(cfg.get("prefix_dense_sliding_window_pattern", 1), dense)
+    kinds += _every(cfg.get("sliding_window_pattern", 4), count - dense)
+    return kinds, ["dense" if i < dense else "sparse" for i in range(count)]
+
+
+# Layer types that a family's config class derives where a file gives none, as it derives them:
+# {family: (cfg, layers) -> layer_types, or (layer_types, mlp_layer_types)}.
+_DERIVED_LAYER_TYPES = {
+    "cohere2": lambda cfg, count: _every(cfg.get("sliding_window_pattern", 4), count),
+    "exaone4": lambda cfg, count: (
+        _every(cfg.get("sliding_window_pattern", 4), count)
+        if cfg.get("sliding_window") is not None
+        else None
+    ),
+    "cohere2_moe": _cohere2_moe,
+}
+
+
+def _derived(cfg):
+    """A file's fields with what its family's config class derives from them (see
+    _DERIVED_LAYER_TYPES): a config object has them already."""
+    derive = _DERIVED_LAYER_TYPES.get(cfg.get("model_type"))
+    count = cfg.get("num_hidden_layers")
+    if derive is None or cfg.get("layer_types") is not None or type(count) is not int:
+        return cfg
+    pattern = [
+        cfg.get(k) for k in ("sliding_window_pattern", "prefix_dense_sliding_window_pattern")
+    ]
+    if any(p is not None and (type(p) is not int or p < 1) for p in pattern):
+        raise RopeValueError(
+            f"config of model_type {cfg['model_type']!r} needs a positive int "
+            f"sliding_window_pattern, got {pattern[0]!r}"
+        )
+    found = derive(cfg, count)
+    if isinstance(found, tuple):
+        found, mlp = found
+        cfg.setdefault("mlp_layer_types", mlp)
+    if found is not None:
+        cfg["layer_types"] = found
+    return cfg
+
+
 def _canonical(cfg):
     """``cfg`` with the current names of aliased fields (two names that disagree are an error),
-    its layer_types checked."""
+    of its model type and of its layer types, its layer_types checked."""
+    if cfg.get("model_type") in _MODEL_TYPE_RENAMES:
+        cfg["model_type"] = _MODEL_TYPE_RENAMES[cfg["model_type"]]
     aliases = {**_FIELD_ALIASES, **_FAMILY_ALIASES.get(cfg.get("model_type"), {})}
     for name, others in aliases.items():
         for alias in others:
@@ -117,6 +179,8 @@ def _canonical(cfg):
         not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds)
     ):
         raise RopeTypeError(f"layer_types must be a list of strings, got {kinds!r}")
+    if kinds is not None:
+        cfg["layer_types"] = [_LEGACY_LAYER_TYPES.get(k, k) for k in kinds]
     return cfg
 
 

@@ -112,7 +112,7 @@ def _global_nope(cfg, index, kind):  # without a window every layer rotates; wit
 def _dense_prefix(cfg, index, kind):  # Cohere 2 MoE: dense layers rotate when the pattern is 1
     forced = (
         _entry(cfg, "mlp_layer_types", index) == "dense"
-        and cfg.get("prefix_dense_sliding_window_pattern") == 1
+        and cfg.get("prefix_dense_sliding_window_pattern", 1) == 1  # the class's default
     )
     return forced or _windowed(cfg, index, kind)
 

@@ -209,3 +209,44 @@ def test_every_position_embedding_switch_is_read():
     for model_type in ("esm", "granitemoehybrid"):  # off by default in both
         with pytest.raises(ar.RopeValueError, match="take no RoPE with position_emb"):
             ar.RoPE.from_hf_config(CONFIG_MAPPING[model_type]())
+
+
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("cohere2", {"sliding_window_pattern": 3}),
+        ("cohere2", {}),
+        ("exaone4", {"sliding_window_pattern": 2, "sliding_window": 64}),
+        ("cohere2_moe", {"first_k_dense_replace": 2, "sliding_window_pattern": 3}),
+        ("cohere2_moe", {"first_k_dense_replace": 1, "prefix_dense_sliding_window_pattern": 2}),
+    ],
+)
+def test_a_file_without_layer_types_reads_as_its_config_class_derives_them(model_type, fields):
+    # older config.json files give a sliding window pattern, from which the family's config
+    # class derives layer_types (and Cohere 2 MoE's dense prefix): the file, read as a dict,
+    # must give the layers the class's object gives
+    config_cls = CONFIG_MAPPING[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_cls(num_hidden_layers=7, **fields)
+    written = {
+        k: v for k, v in config.to_dict().items() if k not in ("layer_types", "mlp_layer_types")
+    }
+    written.update(fields)
+    ours = ar.RoPE.from_hf_layers(written, per_layer=True)
+    theirs = ar.RoPE.from_hf_layers(config, per_layer=True)
+    assert [r is None for r in ours] == [r is None for r in theirs]
+    assert any(r is None for r in ours) and any(r is not None for r in ours)
+
+
+def test_older_names_of_model_and_layer_types():
+    exaone = {"model_type": "exaone4_5_text", "head_dim": 16, "num_attention_heads": 2,
+              "hidden_size": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+              "sliding_window": 64}  # fmt: skip
+    exaone["layer_types"] = ["sliding_attention", "full_attention"]
+    assert ar.RoPE.from_hf_layers(exaone)["full_attention"] is None  # read as EXAONE 4's
+    zamba = {**exaone, "model_type": "zamba2", "use_mem_rope": True,
+             "layers_block_type": ["mamba", "hybrid", "mamba"]}  # fmt: skip
+    del zamba["layer_types"]
+    assert list(ar.RoPE.from_hf_layers(zamba)) == ["linear_attention", "hybrid"]
+    assert ar.RoPE.from_hf_layers(zamba)["linear_attention"] is None
