@@ -233,9 +233,11 @@ def from_hf_layers(
     Returns
     -------
     dict or list
-        {layer type: RoPE}, in the order of the config's layer_types; None for a layer type
-        whose layers take no RoPE (a family's global NoPE layers, linear attention,
-        convolutions). Layer types that share one set of parameters get RoPEs built alike.
+        {layer type: RoPE}: every type of the config's layer_types, in their order; for a
+        config with rope parameters per layer type, every type (or label) those are given
+        for, the config's layer_types first. None for a layer type whose layers take no RoPE
+        (a family's global NoPE layers, linear attention, convolutions). Layer types that share
+        one set of parameters get RoPEs built alike.
         With ``per_layer``, [RoPE or None] with an entry per layer.
 
     Raises
