@@ -121,40 +121,78 @@ def _cohere2_moe(cfg, count):
     return kinds, ["dense" if i < dense else "sparse" for i in range(count)]
 
 
-# Layer types that a family's config class derives where a file gives none, as it derives them:
-# {family: (cfg, layers) -> layer_types, or (layer_types, mlp_layer_types)}.
-_DERIVED_LAYER_TYPES = {
-    "cohere2": lambda cfg, count: _every(cfg.get("sliding_window_pattern", 4), count),
-    "exaone4": lambda cfg, count: (
-        _every(cfg.get("sliding_window_pattern", 4), count)
-        if cfg.get("sliding_window") is not None
-        else None
+def _every_fourth_unrotated(cfg, count):
+    """SmolLM3's, Llama 4's and Mistral Large 4's no_rope_layers: 0 (NoPE) every
+    no_rope_layer_interval-th layer. Llama 4's class treats an empty list as none given."""
+    layers = cfg.get("no_rope_layers")
+    if layers is not None and not (layers == [] and cfg.get("model_type") == "llama4_text"):
+        return {}
+    interval = cfg.get("no_rope_layer_interval", 4)
+    if type(interval) is not int or interval < 1:
+        raise RopeValueError(f"no_rope_layer_interval must be a positive int, got {interval!r}")
+    return {"no_rope_layers": [int((i + 1) % interval != 0) for i in range(count)]}
+
+
+def _muse_thetas(cfg, count):
+    """MuSE's layer_rope_theta: 0 (NoPE) every fourth layer counted from the last; the rest
+    rotate by the config's base (only whether a layer rotates is read from it)."""
+    if cfg.get("layer_rope_theta") is not None:
+        return {}
+    return {"layer_rope_theta": [int((count - 1 - i) % 4 != 0) for i in range(count)]}
+
+
+def _layer_types_by(derive):
+    """A derivation of layer_types (and, as a second value, mlp_layer_types) where none given."""
+
+    def fields(cfg, count):
+        if cfg.get("layer_types") is not None:
+            return {}
+        for name in ("sliding_window_pattern", "prefix_dense_sliding_window_pattern"):
+            pattern = cfg.get(name)
+            if pattern is not None and (type(pattern) is not int or pattern < 1):
+                raise RopeValueError(
+                    f"config of model_type {cfg['model_type']!r} needs a positive int {name}, "
+                    f"got {pattern!r}"
+                )
+        found = derive(cfg, count)
+        if isinstance(found, tuple):
+            return {"layer_types": found[0], "mlp_layer_types": found[1]}
+        return {} if found is None else {"layer_types": found}
+
+    return fields
+
+
+# Per-layer fields that a family's config class derives where a file gives none, as it derives
+# them: {family: (cfg, number of layers) -> {field: value}}.
+_DERIVED = {
+    "cohere2": _layer_types_by(
+        lambda cfg, count: _every(cfg.get("sliding_window_pattern", 4), count)
     ),
-    "cohere2_moe": _cohere2_moe,
+    "exaone4": _layer_types_by(
+        lambda cfg, count: (
+            _every(cfg.get("sliding_window_pattern", 4), count)
+            if cfg.get("sliding_window", 4096) is not None  # its class's default window
+            else None
+        )
+    ),
+    "cohere2_moe": _layer_types_by(_cohere2_moe),
+    "smollm3": _every_fourth_unrotated,
+    "llama4_text": _every_fourth_unrotated,
+    "mistral_large4_text": _every_fourth_unrotated,
+    "muse_glimmer_text": _muse_thetas,
+    "muse_spark_text": _muse_thetas,
 }
 
 
 def _derived(cfg):
-    """A file's fields with what its family's config class derives from them (see
-    _DERIVED_LAYER_TYPES): a config object has them already."""
-    derive = _DERIVED_LAYER_TYPES.get(cfg.get("model_type"))
+    """A file's fields with what its family's config class derives from them (see _DERIVED):
+    a config object has them already."""
+    derive = _DERIVED.get(cfg.get("model_type"))
     count = cfg.get("num_hidden_layers")
-    if derive is None or cfg.get("layer_types") is not None or type(count) is not int:
-        return cfg
-    pattern = [
-        cfg.get(k) for k in ("sliding_window_pattern", "prefix_dense_sliding_window_pattern")
-    ]
-    if any(p is not None and (type(p) is not int or p < 1) for p in pattern):
-        raise RopeValueError(
-            f"config of model_type {cfg['model_type']!r} needs a positive int "
-            f"sliding_window_pattern, got {pattern[0]!r}"
-        )
-    found = derive(cfg, count)
-    if isinstance(found, tuple):
-        found, mlp = found
-        cfg.setdefault("mlp_layer_types", mlp)
-    if found is not None:
-        cfg["layer_types"] = found
+    if derive is not None and type(count) is int:
+        for name, value in derive(cfg, count).items():
+            if cfg.get(name) is None or name == "no_rope_layers":
+                cfg[name] = value
     return cfg
 
 

@@ -101,12 +101,18 @@ def _sliding(cfg, index, kind):
     return kind == "sliding_attention"
 
 
+def _window(cfg):
+    """Whether the config sets a sliding window: each of these families' config classes sets
+    one by default, so a file without the field has one."""
+    return "sliding_window" not in cfg or cfg["sliding_window"] is not None
+
+
 def _windowed(cfg, index, kind):  # a sliding layer whose window the config sets
-    return kind == "sliding_attention" and cfg.get("sliding_window") is not None
+    return kind == "sliding_attention" and _window(cfg)
 
 
 def _global_nope(cfg, index, kind):  # without a window every layer rotates; with one, sliding ones
-    return cfg.get("sliding_window") is None or kind == "sliding_attention"
+    return not _window(cfg) or kind == "sliding_attention"
 
 
 def _dense_prefix(cfg, index, kind):  # Cohere 2 MoE: dense layers rotate when the pattern is 1
@@ -122,6 +128,8 @@ def _listed(name):  # a per-layer list whose entry is true (1, a nonzero theta) 
 
 
 def _own_theta(cfg, index, kind):  # Granite SWA: each layer's base, 0 for none
+    if cfg.get("layer_rope_theta") is None:  # its class's default: the config's base everywhere
+        return {}
     theta = _entry(cfg, "layer_rope_theta", index)
     return {"rope_theta": theta} if theta else None
 

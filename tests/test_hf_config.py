@@ -372,6 +372,9 @@ def _same(a, b):
         (_layered("afmoe", layer_types=[SW, FULL, SW, FULL], sliding_window=None), [1, 0, 1, 0]),
         (_layered("exaone4", layer_types=[SW, SW, SW, FULL], sliding_window=8), [1, 1, 1, 0]),
         (_layered("exaone4", layer_types=[FULL] * 4, sliding_window=None), [1, 1, 1, 1]),
+        # a file without the field has the window its config class sets by default
+        (_layered("exaone4", layer_types=[SW, SW, SW, FULL]), [1, 1, 1, 0]),
+        (_layered("cohere2", layer_types=[SW, SW, SW, FULL]), [1, 1, 1, 0]),
         (
             _layered(
                 "cohere2_moe",

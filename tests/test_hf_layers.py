@@ -212,31 +212,42 @@ def test_every_position_embedding_switch_is_read():
 
 
 @pytest.mark.parametrize(
-    "model_type, fields",
+    "model_type, fields, left_out",
     [
-        ("cohere2", {"sliding_window_pattern": 3}),
-        ("cohere2", {}),
-        ("exaone4", {"sliding_window_pattern": 2, "sliding_window": 64}),
-        ("cohere2_moe", {"first_k_dense_replace": 2, "sliding_window_pattern": 3}),
-        ("cohere2_moe", {"first_k_dense_replace": 1, "prefix_dense_sliding_window_pattern": 2}),
+        ("cohere2", {"sliding_window_pattern": 3}, {"layer_types": None}),
+        ("cohere2", {}, {"layer_types": None, "sliding_window": None}),
+        ("exaone4", {"sliding_window_pattern": 2, "sliding_window": 64}, {"layer_types": None}),
+        ("cohere2_moe", {"first_k_dense_replace": 2, "sliding_window_pattern": 3},
+         {"layer_types": None, "mlp_layer_types": None}),
+        ("cohere2_moe", {"first_k_dense_replace": 1, "prefix_dense_sliding_window_pattern": 2},
+         {"layer_types": None, "mlp_layer_types": None}),
+        ("smollm3", {}, {"no_rope_layers": None}),
+        ("llama4_text", {}, {"no_rope_layers": []}),  # its class reads [] as none given
+        ("mistral_large4_text", {}, {"no_rope_layers": None}),
+        ("muse_glimmer_text", {}, {"layer_rope_theta": None}),
+        ("granite_swa", {}, {"layer_rope_theta": None}),
     ],
-)
-def test_a_file_without_layer_types_reads_as_its_config_class_derives_them(model_type, fields):
-    # older config.json files give a sliding window pattern, from which the family's config
-    # class derives layer_types (and Cohere 2 MoE's dense prefix): the file, read as a dict,
-    # must give the layers the class's object gives
+)  # fmt: skip
+def test_a_file_reads_as_its_config_class_derives_per_layer_fields(model_type, fields, left_out):
+    # a config.json may leave out per-layer fields that the family's config class derives
+    # (layer_types from a sliding window pattern, Cohere 2 MoE's dense prefix, no_rope_layers,
+    # layer_rope_theta) or take its default window: the file, read as a dict, must give the
+    # layers the class's object gives
     config_cls = CONFIG_MAPPING[model_type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_cls(num_hidden_layers=7, **fields)
-    written = {
-        k: v for k, v in config.to_dict().items() if k not in ("layer_types", "mlp_layer_types")
-    }
-    written.update(fields)
+        config = config_cls(num_hidden_layers=8, **fields)
+    written = {**config.to_dict(), **fields}
+    for name, value in left_out.items():
+        written.pop(name, None)
+        if value is not None:
+            written[name] = value
     ours = ar.RoPE.from_hf_layers(written, per_layer=True)
     theirs = ar.RoPE.from_hf_layers(config, per_layer=True)
     assert [r is None for r in ours] == [r is None for r in theirs]
-    assert any(r is None for r in ours) and any(r is not None for r in ours)
+    assert [r.base for r in ours if r is not None] == [r.base for r in theirs if r is not None]
+    rotated = [r is not None for r in ours]
+    assert any(rotated) and (not all(rotated) or model_type == "granite_swa")
 
 
 def test_older_names_of_model_and_layer_types():
