@@ -6,8 +6,9 @@ class's defaults and with each per-layer field reversed (and without a sliding w
 the family's model builds without one). Each attention layer's call of the family's rotary
 apply function is recorded: a layer that makes none takes no RoPE, and layers whose cos tables
 differ rotate differently. ``RoPE.from_hf_layers(config, per_layer=True)`` must agree, layer by
-layer. And every config class of the installed transformers with a per-layer rope field must
-be one of those families.
+layer. Every config class of the installed transformers with a per-layer rope field must be one
+of those families, and one with a position embedding switch one of ROPE_SWITCHES; a config.json
+that leaves out per-layer fields its class derives must read as the class's object does.
 """
 
 import importlib
