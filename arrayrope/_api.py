@@ -265,8 +265,10 @@ def _apply(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, n
     if any(_interop.is_dask(a) for a in xs):
         if outs is not None:
             raise RopeValueError("out is not supported for dask arrays (their results are lazy)")
-        return _interop.apply_cos_sin_dask(xs, cos, sin, style, rotary_dim, inverse, head_axis,
-                                           backend, names)  # fmt: skip
+        from . import _dask
+
+        return _dask.apply_cos_sin_dask(apply_cos_sin, xs, cos, sin, style, rotary_dim, inverse,
+                                        head_axis, backend, names)  # fmt: skip
     if _interop.jax_traced(*xs, cos, sin):
         from . import _jax_given
 

@@ -192,7 +192,9 @@ class Engine:
         path, and handed back as their own type; Dask arrays as a lazy graph."""
         names = ("x",) if len(xs) == 1 else ("q", "k")
         if any(_interop.is_dask(x) for x in xs):
-            return _interop.rotate_dask(
+            from . import _dask
+
+            return _dask.rotate_dask(
                 self.owner, self.mode, xs, pos, inverse, outs, backend, seq_len
             )
         natives, restores = [], []
