@@ -2,8 +2,8 @@
 
 A config names the frequencies: rope_theta, the rope type and its fields, the rotated fraction
 and the head size, turned here into a RoPE's frequency blocks and scaling rule; its fields are
-read by _hf_fields, and the pair and axis layouts, which live in each family's modeling code,
-come from _hf_layouts. tests/test_hf_families.py drives every rotary family of the installed
+read by _hf_fields, the pair and axis layouts, which live in each family's modeling code, come
+from _hf_layouts, and which layers take a RoPE from _hf_layers. tests/test_hf_families.py drives every rotary family of the installed
 transformers through its own modules against what this builds.
 """
 
@@ -12,6 +12,7 @@ import math
 import os
 
 from . import _hf_fields as read
+from . import _hf_layers as layers
 from . import _hf_layouts as layouts
 from ._errors import RopeError, RopeTypeError, RopeValueError
 from ._spec import base_arg, dims_arg, style_arg
@@ -214,10 +215,10 @@ def _rope_of(cls, cfg, config, style, max_positions, layer_type, angles, layer):
     _check_form(cfg, config)
     model_type = cfg.get("model_type")
     if layer is None:
-        overrides = layouts.type_rope(cfg, layer_type)
+        overrides = layers.type_rope(cfg, layer_type)
         which = "its layers" if layer_type is None else f"layers of type {layer_type!r}"
     else:
-        kinds = layouts.layer_kinds(cfg)
+        kinds = layers.layer_kinds(cfg)
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise RopeTypeError(f"layer must be an int, got {layer!r}")
         if not 0 <= layer < len(kinds):
@@ -230,12 +231,12 @@ def _rope_of(cls, cfg, config, style, max_positions, layer_type, angles, layer):
                 f"layer {layer} is of type {kinds[layer]!r}, not layer_type {layer_type!r}"
             )
         layer_type = kinds[layer]
-        overrides = layouts.layer_rope(cfg, layer, layer_type)
+        overrides = layers.layer_rope(cfg, layer, layer_type)
         which = f"layer {layer}"
     if overrides is None:
-        switch = layouts.ROPE_SWITCHES.get(model_type)
+        switch = layers.ROPE_SWITCHES.get(model_type)
         why = ""
-        if switch and not layouts.switched_on(cfg):
+        if switch and not layers.switched_on(cfg):
             field, default, on = switch
             value = cfg.get(field, default)
             why = f" with {field} off" if on is True else f" with {field}={value!r}"
@@ -262,12 +263,12 @@ def _check_form(cfg, config):
 
 def _rope(cls, cfg, style, max_positions, layer_type, angles, overrides):
     """The RoPE of the (part's) fields ``cfg`` at ``layer_type``, its rope parameters changed
-    by ``overrides`` (see layouts.layer_rope)."""
+    by ``overrides`` (see layers.layer_rope)."""
     from . import scaling as sc
 
     per_type = read.nested(cfg) is not None
     cfg, params = read.layer(cfg, layouts.rope_label(cfg, layer_type))
-    if overrides == layouts.UNSCALED:  # the config's base, without its scaling rule
+    if overrides == layers.UNSCALED:  # the config's base, without its scaling rule
         params = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
         params["rope_type"] = "default"
     elif overrides:  # a layer's own base: the one its layers read
@@ -376,14 +377,14 @@ def _layer_ropes(cls, cfg, config, style, max_positions, angles, per_layer):
     _check_form(cfg, config)
     nested = read.nested(cfg)
     if per_layer:
-        kinds = layouts.layer_kinds(cfg)
+        kinds = layers.layer_kinds(cfg)
         if not kinds:
             raise RopeValueError("config has no layer_types or num_hidden_layers")
         made, ropes = {}, []
         for index, kind in enumerate(kinds):
             overrides = None
             if nested is None or nested.get(layouts.rope_label(cfg, kind)) is not None:
-                overrides = layouts.layer_rope(cfg, index, kind)
+                overrides = layers.layer_rope(cfg, index, kind)
             if overrides is None:
                 ropes.append(None)
                 continue
@@ -402,7 +403,7 @@ def _layer_ropes(cls, cfg, config, style, max_positions, angles, per_layer):
         label = layouts.rope_label(cfg, kind)
         overrides = None
         if nested is None or nested.get(label) is not None:
-            overrides = layouts.type_rope(cfg, kind)
+            overrides = layers.type_rope(cfg, kind)
         if overrides is None:
             ropes[kind] = None
         else:

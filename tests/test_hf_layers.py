@@ -1,7 +1,7 @@
 """Which layers rotate, and by what, against each family's own model code.
 
 Families whose layers choose their RoPE by index or by config fields besides their layer type
-(arrayrope._hf_layouts.LAYER_RULES) are run as small models of four layers, with their config
+(arrayrope._hf_layers.LAYER_RULES) are run as small models of four layers, with their config
 class's defaults and with each per-layer field reversed (and without a sliding window, where
 the family's model builds without one). Each attention layer's call of the family's rotary
 apply function is recorded: a layer that makes none takes no RoPE, and layers whose cos tables
@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 import arrayrope as ar  # noqa: E402
-from arrayrope import _hf_layouts  # noqa: E402
+from arrayrope import _hf_layers  # noqa: E402
 
 LAYERS = 4
 SMALL = {
@@ -135,7 +135,7 @@ def _run(config):
     return [found.get(i) for i in range(config.num_hidden_layers)]
 
 
-@pytest.mark.parametrize("model_type", sorted(_hf_layouts.LAYER_RULES))
+@pytest.mark.parametrize("model_type", sorted(_hf_layers.LAYER_RULES))
 def test_layers_rotate_as_the_family_does(model_type):
     config_cls = CONFIG_MAPPING[model_type]
     built = []
@@ -179,7 +179,7 @@ def test_every_per_layer_rope_field_is_read():
                 ]
                 fields = [k for k in _per_layer_fields(config) if "rope" in k]
                 if fields:
-                    assert config.model_type in _hf_layouts.LAYER_RULES, (config.model_type, fields)
+                    assert config.model_type in _hf_layers.LAYER_RULES, (config.model_type, fields)
 
 
 def test_every_position_embedding_switch_is_read():
@@ -206,7 +206,7 @@ def test_every_position_embedding_switch_is_read():
             for model_type, config in parts:
                 fields = {"position_embedding_type", "position_embeddings_type"} & set(vars(config))
                 if fields:
-                    assert model_type in _hf_layouts.ROPE_SWITCHES, (model_type, fields)
+                    assert model_type in _hf_layers.ROPE_SWITCHES, (model_type, fields)
     for model_type in ("esm", "granitemoehybrid"):  # off by default in both
         with pytest.raises(ar.RopeValueError, match="take no RoPE with position_emb"):
             ar.RoPE.from_hf_config(CONFIG_MAPPING[model_type]())
