@@ -3,8 +3,9 @@
 A config names the frequencies: rope_theta, the rope type and its fields, the rotated fraction
 and the head size, turned here into a RoPE's frequency blocks and scaling rule; its fields are
 read by _hf_fields, the pair and axis layouts, which live in each family's modeling code, come
-from _hf_layouts, and which layers take a RoPE from _hf_layers. tests/test_hf_families.py drives every rotary family of the installed
-transformers through its own modules against what this builds.
+from _hf_layouts, and which layers take a RoPE from _hf_layers. tests/test_hf_families.py
+drives every rotary family of the installed transformers through its own modules against what
+this builds.
 """
 
 import contextlib
