@@ -156,14 +156,16 @@ def _layer_types_by(derive):
                 )
         found = derive(cfg, count)
         if isinstance(found, tuple):
-            return {"layer_types": found[0], "mlp_layer_types": found[1]}
+            found, mlp = found
+            if cfg.get("mlp_layer_types") is None:
+                return {"layer_types": found, "mlp_layer_types": mlp}
         return {} if found is None else {"layer_types": found}
 
     return fields
 
 
 # Per-layer fields that a family's config class derives where a file gives none, as it derives
-# them: {family: (cfg, number of layers) -> {field: value}}.
+# them: {family: (cfg, number of layers) -> {field: value}}, empty where the file gives them.
 _DERIVED = {
     "cohere2": _layer_types_by(
         lambda cfg, count: _every(cfg.get("sliding_window_pattern", 4), count)
@@ -190,9 +192,7 @@ def _derived(cfg):
     derive = _DERIVED.get(cfg.get("model_type"))
     count = cfg.get("num_hidden_layers")
     if derive is not None and type(count) is int:
-        for name, value in derive(cfg, count).items():
-            if cfg.get(name) is None or name == "no_rope_layers":
-                cfg[name] = value
+        cfg.update(derive(cfg, count))
     return cfg
 
 
@@ -263,7 +263,7 @@ def part_of(cfg, part):
 def _nearest(found, key):
     """(dotted path, fields) of the sub-configs named ``key`` (any ``*_config`` where None)
     under each of ``found``, at the shallowest depth that has one."""
-    level = [(path, cfg) for path, cfg in found]
+    level = found
     while level:
         hits, deeper = [], []
         for path, cfg in level:
@@ -271,9 +271,7 @@ def _nearest(found, key):
                 if isinstance(v, dict) and k.endswith("_config") and k != "_config":
                     child = (f"{path}.{k[:-7]}" if path else k[:-7], v)
                     (hits if key is None or k == key else deeper).append(child)
-        if hits and key is not None:
-            return hits
-        if key is None:
+        if hits or key is None:
             return hits
         level = deeper
     return []
