@@ -84,3 +84,52 @@ def test_entries_are_keyed_to_every_source_of_the_kernels(tmp_path):
     helper = copy / "_convert.py"
     helper.write_text(helper.read_text() + "\n")
     assert _disk_cache.sources_digest(copy) != digest
+
+
+RACER = """
+import numpy as np
+from numba import njit
+from arrayrope.backends.cpu import _disk_cache
+
+
+@njit(cache=True)
+def kernel(a):
+    return a.sum() * 2 + a.ndim
+
+
+_disk_cache.guard(__import__(__name__))
+"""
+
+SAVE = """
+import sys
+import numpy as np
+sys.path.insert(0, {folder!r})
+import racer
+assert racer.kernel(np.ones(3)) == 7.0
+"""
+
+
+def test_a_save_waits_for_the_folder_lock(tmp_path):
+    # Numba numbers a new entry's data file from the index it has read: two processes saving
+    # at once could give two signatures one file, and a later load would run one signature's
+    # machine code on the other's arrays (a crash). Saves take the folder's lock alone: while
+    # this test holds it, another process's save waits, and no entry appears until it is let go.
+    fcntl = pytest.importorskip("fcntl", reason="the lock needs fcntl")
+    import time
+
+    (tmp_path / "racer.py").write_text(RACER)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    code = SAVE.format(folder=str(tmp_path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    (folder,) = {p.parent for p in cache.rglob("*.nbi")}  # where the lock file lives
+    for p in folder.glob("*.nb[ic]"):
+        p.unlink()
+    with open(folder / ".arrayrope.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saving = subprocess.Popen([sys.executable, "-c", code], env=env)
+        time.sleep(5)  # it compiles, then waits to save
+        assert saving.poll() is None and not list(folder.glob("*.nbi"))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    assert saving.wait(timeout=600) == 0
+    assert list(folder.glob("*.nbi"))

@@ -9,12 +9,19 @@ folder warns once.
 Numba keeps an entry while the file that defines the kernel keeps its time stamp and size, but
 a kernel's code also comes from the helpers it inlines from the other modules of this folder;
 an entry here is kept only while every source file of the folder is unchanged (a digest of
-their contents joins the stamp), so a changed helper never runs as its old compiled self.
+their contents joins the stamp), so a changed helper never runs as its old compiled self. And
+processes that share a folder take turns to save (see _locked).
 """
 
+import contextlib
 import hashlib
 import os
 import warnings
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock (see _locked)
+    fcntl = None
 
 from numba.core.caching import FunctionCache
 from numba.core.dispatcher import Dispatcher
@@ -33,7 +40,8 @@ class _Tolerant:
 
     def load_overload(self, sig, target_context):
         try:
-            return self._inner.load_overload(sig, target_context)
+            with _locked(self._inner, exclusive=False):
+                return self._inner.load_overload(sig, target_context)
         except Exception as error:  # any damage: unpickling, a short read, a bad file
             index = getattr(getattr(self._inner, "_cache_file", None), "_index_path", None)
             if index is not None:
@@ -46,9 +54,35 @@ class _Tolerant:
 
     def save_overload(self, sig, data):
         try:
-            self._inner.save_overload(sig, data)
+            with _locked(self._inner, exclusive=True):
+                self._inner.save_overload(sig, data)
         except Exception as error:
             _warn(self._inner, error, "not saved; the kernel stays compiled in this process")
+
+
+@contextlib.contextmanager
+def _locked(cache, exclusive):
+    """Hold the cache folder's lock file: alone to save, shared to load. Numba numbers a new
+    entry's data file from the index it has just read, so two processes saving kernels of one
+    function at once (pytest -n, worker pools on an empty cache) can give two signatures one
+    number: the index then sends one signature to the other's machine code, which crashes.
+    Where the lock cannot be taken (no fcntl, a folder it cannot write) the call goes on
+    without it."""
+    fd = None
+    if fcntl is not None:
+        try:
+            if exclusive:  # Numba makes the folder on its first save
+                os.makedirs(cache.cache_path, exist_ok=True)
+            fd = os.open(os.path.join(cache.cache_path, ".arrayrope.lock"), os.O_RDWR | os.O_CREAT)
+        except (OSError, AttributeError):
+            fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # which releases the lock
 
 
 def _warn(cache, error, what):
