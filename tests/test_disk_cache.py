@@ -133,3 +133,30 @@ def test_a_save_waits_for_the_folder_lock(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_UN)
     assert saving.wait(timeout=600) == 0
     assert list(folder.glob("*.nbi"))
+
+
+def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path):
+    # a fused float16 step whose launcher, compiled over kernels loaded from the disk cache and
+    # then itself loaded from it in a later process, crashed
+    case = (
+        '[{"rope": {"kind": "plain", "head_dim": 64, "rotary_dim": 64, "style": "interleaved"}, '
+        '"op": "into_cache", "dtype": "float16", "shape": [1, 64], "layout": "contiguous", '
+        '"out_layout": "reversed", "side": "after", "pos": {"kind": "none"}, "inverse": true, '
+        '"seed": 12}]'
+    )
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_cases.py")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+
+    def run():
+        done = subprocess.run(
+            [sys.executable, worker], input=case, capture_output=True, text=True, env=env,
+            timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0 and "OK 0" in done.stdout, done.stdout + done.stderr
+
+    run()  # every kernel compiled and saved
+    for entry in cache.rglob("_fused_launch.fused_step*"):
+        entry.unlink()  # the launcher alone compiled anew, over kernels loaded from the cache
+    run()
+    run()  # and everything loaded

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from . import _config
-from ._config import DISK_CACHE, HARDWARE_F16
+from ._config import HARDWARE_F16
 from ._decode import memory_span
 from ._fused import fused_parallel, fused_range
 from ._simd import span
@@ -105,7 +105,9 @@ def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
     return steps
 
 
-@njit(cache=DISK_CACHE, nogil=True)
+# Not in the disk cache: loaded from it in a later process, this function (which calls the
+# parallel launch) crashed on float16 steps, where the same build compiled in the process runs.
+@njit(nogil=True)
 def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, numbers,
                settings, tasks):  # fmt: skip
     """Launch the step on arrays of any layout (the half types and float8 as their bits): their
