@@ -13,6 +13,8 @@ as torch operations instead (``_torch_lowered``), which the compiler fuses into 
 This module imports torch: it is imported only once a torch tensor has been seen.
 """
 
+import operator
+
 import torch
 
 from . import _torch_lowered
@@ -158,11 +160,21 @@ def _lowered(xs, outs, tail):
     return outs
 
 
+def _seq_len(seq_len):
+    """``seq_len`` as the operators' schema takes it (an int or None), else arrayrope's error."""
+    if seq_len is None:
+        return None
+    try:
+        return operator.index(seq_len)
+    except TypeError:
+        raise RopeTypeError(f"seq_len must be an int or None, got {seq_len!r}") from None
+
+
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
     tensor, as_int, as_float = _split_positions(pos, x)
-    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, seq_len)
+    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, _seq_len(seq_len))
     if out is None:
         small = _lowered((x,), None, tail)
         return small[0] if small is not None else _rotated(x, tail)
@@ -185,7 +197,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if not isinstance(k, _Tensor):
         raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
     tensor, as_int, as_float = _split_positions(pos, q)
-    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, seq_len)
+    tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, _seq_len(seq_len))
     if out is None:
         small = _lowered((q, k), None, tail)
         if small is not None:
@@ -257,7 +269,7 @@ def rotate_into_cache(key, arrays, options):
         numbers.append(None if value is None else float(value))
     layout = options["cache_layout"]
     check_layout(layout)
-    tail = (key, layout, *weights, *numbers, options["seq_len"])
+    tail = (key, layout, *weights, *numbers, _seq_len(options["seq_len"]))
     step = (q, k, v, tensor, as_int, as_float, k_cache, v_cache, slots)
     if out is None:
         return ops.rotate_into_cache.default(*step, *tail)

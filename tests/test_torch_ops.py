@@ -570,3 +570,12 @@ def test_rotate_into_cache_on_fake_tensors_and_its_refusals():
     with pytest.raises(RopeTypeError, match="one framework, got torch tensors and JAX"):
         STEP_ROPE.rotate_into_cache(q, k, v, pos, jnp.asarray(k_cache.numpy()), v_cache, slots)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_a_seq_len_that_is_not_an_int_is_arrayropes_error_on_the_operators():
+    # a tensor that requires grad goes through the operators, whose schema takes an int
+    x = torch.zeros(1, 2, 3, 8, requires_grad=True)
+    rope = ar.RoPE(8, scaling=ar.scaling.DynamicNTK(2.0, 4))
+    for call in (lambda: rope.rotate(x, seq_len=2.5), lambda: rope.rotate_qk(x, x, seq_len=2.5)):
+        with pytest.raises(ar.RopeTypeError, match="seq_len must be an int or None, got 2.5"):
+            call()
