@@ -13,7 +13,7 @@ value is rounded once, at its store.
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, overload, register_jitable
 
 from ._config import DISK_CACHE, VECTOR_BYTES
 from ._convert import load, store
@@ -139,7 +139,7 @@ def _copy(x, o, d, multiplier):
         put(o, i, load(x, i), multiplier)
 
 
-@njit(inline="always")
+@register_jitable
 def _copy_rows(x, xr, o, orow, first, end):
     """o[orow + first:orow + end] = x[xr + first:...], in 64-byte then 16-byte steps (the
     launcher checks every row is a whole number of 16 bytes at 16-byte aligned stores)."""
@@ -156,19 +156,6 @@ def _copy_rows(x, xr, o, orow, first, end):
 
 
 @njit(inline="always")
-def _vector_row(x, xr, o, orow, rotary_dim, d, cos, sin, tb, half_style, inverse):
-    """One head's row without a norm, of o's dtype, in vector steps: its rotary part turned by
-    the table row at flat offset ``tb``, its tail copied."""
-    n = np.uint64(rotary_dim)
-    if half_style:
-        _HALF_ROW(x, xr, o, orow, n, cos, sin, tb, inverse)
-    else:
-        _PAIR_ROW(x, xr, o, orow, n, cos, sin, tb, inverse)
-    if d > rotary_dim:
-        _copy_rows(x, xr, o, orow, rotary_dim, d)
-
-
-@njit(inline="always")
 def _token(
     t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
     rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
@@ -180,11 +167,20 @@ def _token(
     row = rows[t]
     c, s = cos[row], sin[row]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
+    n = np.uint64(rotary_dim)
+    # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
+    # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
+    # pair of reference-count calls (atomic) per array.
     for head in range(hq):
         xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
         ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
         if vector & 1:
-            _vector_row(q, xb, qo, ob, rotary_dim, d, cos, sin, tb, half_style, inverse)
+            if half_style:
+                _HALF_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
+            else:
+                _PAIR_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
+            if d > rotary_dim:
+                _copy_rows(q, xb, qo, ob, rotary_dim, d)
         else:
             _row(q[xb:], qo[ob:], d, rotary_dim, c, s, half_style, inverse, q_weight, eps, 1.0)
     slot = slots[t]
@@ -197,7 +193,12 @@ def _token(
         vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
         vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
         if vector & 2:
-            _vector_row(k, kb, kc, cb, rotary_dim, d, cos, sin, tb, half_style, inverse)
+            if half_style:
+                _HALF_ROW(k, kb, kc, cb, n, cos, sin, tb, inverse)
+            else:
+                _PAIR_ROW(k, kb, kc, cb, n, cos, sin, tb, inverse)
+            if d > rotary_dim:
+                _copy_rows(k, kb, kc, cb, rotary_dim, d)
             _copy_rows(v, vb, vc, vcb, 0, d)
         else:
             _row(k[kb:], kc[cb:], d, rotary_dim, c, s, half_style, inverse, k_weight, eps,
