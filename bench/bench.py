@@ -475,7 +475,7 @@ def main():
         )
         print(positions.report(*long_context))
         print("\nhead sizes x rotary fractions x styles x dtypes (bench/shapes.py):")
-        matrix = shape_matrix.matrix(512 if args.quick else 2048, 3 if args.quick else 5)
+        matrix = shape_matrix.measure(3 if args.quick else 5)
         print(shape_matrix.report(matrix))
         import kv_cache
 

@@ -60,6 +60,8 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     context sweep (prefill rows, decode steps), the shape matrix, the fused inference step's
     rows, the rows against llama.cpp's rope (None without ggml) and the torch.compile sweep,
     as bench.py makes them."""
+    import shapes  # bench/shapes.py, beside this file
+
     frameworks, accuracy, (prefill, decode_at), matrix, fused, llama, compiled = measured
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
@@ -229,17 +231,15 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "",
         "## Head sizes and rotary fractions",
         "",
-        "(1, 32, T, d) `rope.rotate(x, out=o)` unless the mode says otherwise; `of copy` against "
-        "the fastest copy of the same bytes, `vs full` the time over full rotary's at the same "
-        "d, dtype, style and mode (above 1: slower).",
+        "(1, 32, T, d) `rope.rotate(x, out=o)` unless the mode says otherwise, at two sizes: x "
+        "twice the last-level cache (both the rotation and the copy stream memory) and x an "
+        "eighth of it (both run in cache). `of copy` is against the fastest copy of the same "
+        "bytes, `vs full` the time per byte over full rotary's at the same d, dtype, style and "
+        "mode (above 1: slower). In cache, the rotation also reads a cos/sin row for each row "
+        "of x (as many bytes as the row in float32, twice as many for the 2-byte types) and is "
+        "bound by its loads, well below the copy, which moves each line once.",
         "",
-        _table(
-            ["d", "rotary_dim", "style", "dtype", "mode", "ms", "of copy", "vs full"],
-            [
-                (d, rd, style, dtype, mode, f"{ms:.3f}", f"{ratio:.2f}", _fmt(vs, ".2f"))
-                for d, rd, style, dtype, mode, ms, ratio, vs in matrix
-            ],
-        ),
+        shapes.report(matrix),
         "",
         "## Fused inference step",
         "",

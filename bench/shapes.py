@@ -1,8 +1,8 @@
 """The shape matrix: head sizes x rotary fractions x styles x dtypes, each against the fastest
 copy of the same bytes and against full rotary at the same head size, measured in the same run.
 
-    python bench/shapes.py           # (1, 32, 2048, d)
-    python bench/shapes.py --quick   # (1, 32, 512, d), fewer repeats
+    python bench/shapes.py           # both sizes (see SIZES)
+    python bench/shapes.py --quick   # fewer repeats
 
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
 fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in float32; the
@@ -10,6 +10,12 @@ fractions at d = 128 in float16, bfloat16 and float64; and at d = 128, rotary 1/
 ways of storing results (a new result, in place, rotate_qk with a quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype and style (above 1: slower).
+
+Each case runs at two sizes (see SIZES): x twice the last-level cache, where the copy and the
+rotation both stream memory, and x an eighth of it, where both run out of cache. There the copy
+moves each line once, and the rotation also reads a cos/sin row per row of x (as many bytes as
+the row for float32, twice as many for the 2-byte types), so it is bound by loads well below
+the copy.
 """
 
 import argparse
@@ -30,8 +36,17 @@ def _rotary(d, fraction):
     return max(2, int(d * fraction) // 2 * 2)
 
 
-def matrix(length, repeats):
-    """[(d, rotary_dim, style, dtype, mode, ms, of copy, vs full)]."""
+def sizes():
+    """{name: bytes of x}: past the last-level cache and inside it."""
+    from arrayrope.backends.cpu._config import _last_level_cache
+
+    cache = _last_level_cache()
+    return {"past the cache": 2 * cache, "in cache": cache // 8}
+
+
+def matrix(nbytes, repeats):
+    """[(d, rotary_dim, style, dtype, mode, T, ms, of copy, vs full)], x (1, 32, T, d) of about
+    ``nbytes`` bytes."""
     import ml_dtypes
     from numba import njit, prange
 
@@ -58,6 +73,7 @@ def matrix(length, repeats):
             cases.append((128, 128, style, np.float32, mode))
     rows, full = [], {}
     for d, rotary_dim, style, dtype, mode in cases:
+        length = max(1, nbytes // (32 * d * np.dtype(dtype).itemsize))
         x = np.random.default_rng(0).standard_normal((1, 32, length, d)).astype(dtype)
         out = np.empty_like(x)
         k = x[:, :8].copy()
@@ -77,31 +93,49 @@ def matrix(length, repeats):
         key = (d, style, np.dtype(dtype).name, mode)
         if rotary_dim == d:
             full[key] = seconds
-        rows.append([d, rotary_dim, style, np.dtype(dtype).name, mode, seconds * 1e3, ratio, key])
+        name = np.dtype(dtype).name
+        rows.append([d, rotary_dim, style, name, mode, length, seconds * 1e3, ratio, key])
     for row in rows:
         base = full.get(row[-1])
-        row[-1] = None if base is None else row[5] / 1e3 / base
+        row[-1] = None if base is None else row[6] / 1e3 / base
     return [tuple(row) for row in rows]
 
 
-def report(rows):
-    lines = ["| d | rotary_dim | style | dtype | mode | ms | of copy | vs full |"]
-    lines.append("|---:|---:|---|---|---|---:|---:|---:|")
-    for d, rotary_dim, style, dtype, mode, ms, ratio, vs_full in rows:
-        vs = "-" if vs_full is None else f"{vs_full:.2f}"
+def measure(repeats):
+    """{size name: (bytes of x, matrix rows)} for each of :func:`sizes`."""
+    return {name: (nbytes, matrix(nbytes, repeats)) for name, nbytes in sizes().items()}
+
+
+def report(measured):
+    """A markdown table: each case's ms, ratio to the copy and to full rotary at each size."""
+    names = list(measured)
+    head = ["d", "rotary_dim", "style", "dtype", "mode"]
+    for name in names:
+        head += [f"ms, {name}", f"of copy, {name}", f"vs full, {name}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    columns = [rows for _, rows in measured.values()]
+    for cases in zip(*columns):
+        cells = [str(v) for v in cases[0][:5]]
+        for row in cases:
+            vs = "-" if row[8] is None else f"{row[8]:.2f}"
+            cells += [f"{row[6]:.3f}", f"{row[7]:.2f}", vs]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, (nbytes, rows) in measured.items():
+        below = sum(r[7] < 0.85 for r in rows)
+        slower = sum(r[8] is not None and r[8] > 1.1 for r in rows)
         lines.append(
-            f"| {d} | {rotary_dim} | {style} | {dtype} | {mode} | {ms:.3f} | {ratio:.2f} | {vs} |"
+            f"{name} (x of {nbytes / 2**20:g} MiB): {below} of {len(rows)} cases below 0.85 of "
+            f"the copy, {slower} more than 10% slower per byte than full rotary"
         )
-    below = [r for r in rows if r[6] < 0.85]
-    lines.append(f"\n{len(below)} of {len(rows)} cases below 0.85 of the copy")
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="T = 512, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
-    print(report(matrix(512 if args.quick else 2048, 3 if args.quick else 7)))
+    print(report(measure(3 if args.quick else 7)))
 
 
 if __name__ == "__main__":
