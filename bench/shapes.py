@@ -1,7 +1,7 @@
 """The shape matrix: head sizes x rotary fractions x styles x dtypes, each against the fastest
 copy of the same bytes and against full rotary at the same head size, measured in the same run.
 
-    python bench/shapes.py           # both sizes (see SIZES)
+    python bench/shapes.py           # both sizes (see sizes)
     python bench/shapes.py --quick   # fewer repeats
 
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
@@ -11,11 +11,11 @@ ways of storing results (a new result, in place, rotate_qk with a quarter of the
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype and style (above 1: slower).
 
-Each case runs at two sizes (see SIZES): x twice the last-level cache, where the copy and the
-rotation both stream memory, and x an eighth of it, where both run out of cache. There the copy
-moves each line once, and the rotation also reads a cos/sin row per row of x (as many bytes as
-the row for float32, twice as many for the 2-byte types), so it is bound by loads well below
-the copy.
+Each case runs at two sizes (see :func:`sizes`): x twice the last-level cache, where the copy
+and the rotation both stream memory, and x an eighth of it, where both run from the cache. In
+cache the copy moves each line once, while the rotation also reads a cos/sin row for each row
+of x (as many bytes as the row in float32, twice as many for the 2-byte types): its loads bound
+it well below the copy.
 """
 
 import argparse
