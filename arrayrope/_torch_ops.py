@@ -7,8 +7,9 @@ transform. So a call reaches arrayrope's registered operators (``_torch_library`
 is tracing or transforming, when autograd records it, or when a tensor is fake, meta or one of
 torch's subclasses (:func:`wanted`); a plain tensor outside all of that takes the path every
 array takes, with no operator in between. Exported programs hold a RoPE's key, so they run in
-the process that made them. Where torch.compile traces a small call, the rotation is written
-as torch operations instead (``_torch_lowered``), which the compiler fuses into its code.
+the process that made them. Under torch.compile each call is one node of Dynamo's graph
+(:func:`_rotate_node`); where AOTAutograd traces a small call, the rotation is written as torch
+operations instead of an operator (``_torch_lowered``), which the compiler fuses into its code.
 
 This module imports torch: it is imported only once a torch tensor has been seen.
 """
@@ -27,6 +28,7 @@ _Tensor = torch.Tensor
 
 
 _compiling = torch.compiler.is_compiling
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _exporting = torch.compiler.is_exporting
 _transforms = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -99,6 +101,8 @@ def _split_positions(pos, x):
                 f"dtype {pos.dtype}"
             )
         return pos, None, None
+    if isinstance(pos, torch.SymInt):  # a traced int (see _rotate_node)
+        return None, pos, None
     if isinstance(pos, bool):
         raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
     if isinstance(pos, int) or type(pos).__name__.startswith(("int", "uint")):
@@ -162,8 +166,8 @@ def _lowered(xs, outs, tail):
 
 def _seq_len(seq_len):
     """``seq_len`` as the operators' schema takes it (an int or None), else arrayrope's error."""
-    if seq_len is None:
-        return None
+    if seq_len is None or isinstance(seq_len, torch.SymInt):
+        return seq_len
     try:
         return operator.index(seq_len)
     except TypeError:
@@ -173,6 +177,42 @@ def _seq_len(seq_len):
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
+    if _dynamo_tracing() and _node_arguments(pos, inverse, backend, seq_len, out):
+        return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
+    return _rotate(key, x, pos, inverse, out, backend, seq_len)
+
+
+def _node_arguments(pos, inverse, backend, seq_len, out):
+    """Whether a call's arguments other than its tensors are ones a graph node holds: None, an
+    int, a bool or a str where the call has them (else it is traced as written, and refused
+    there if it must be)."""
+    if not (pos is None or type(pos) is int or isinstance(pos, _Tensor)):
+        return False
+    if type(inverse) is not bool or type(backend) is not str:
+        return False
+    if not (seq_len is None or type(seq_len) is int):
+        return False
+    if out is None or isinstance(out, _Tensor):
+        return True
+    return type(out) is tuple and len(out) == 2 and all(isinstance(o, _Tensor) for o in out)
+
+
+# While torch.compile's Dynamo traces, a call is one node of its graph, which AOTAutograd then
+# traces with fake tensors through the operators. Dynamo traces none of arrayrope's Python past
+# this point: every module global that traced Python reads becomes a guard that each call of
+# the compiled function checks, and the tens of them in the code below cost a compiled decode
+# step microseconds.
+@torch.compiler.allow_in_graph
+def _rotate_node(key, x, pos, inverse, out, backend, seq_len):
+    return _rotate(key, x, pos, inverse, out, backend, seq_len)
+
+
+@torch.compiler.allow_in_graph
+def _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len):
+    return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
+
+
+def _rotate(key, x, pos, inverse, out, backend, seq_len):
     tensor, as_int, as_float = _split_positions(pos, x)
     tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, _seq_len(seq_len))
     if out is None:
@@ -194,6 +234,16 @@ def rotate(key, x, pos, inverse, out, backend, seq_len):
 
 def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     """``Engine.rotate_qk``'s contract for torch tensors, through the operators."""
+    if (
+        _dynamo_tracing()
+        and isinstance(k, _Tensor)
+        and _node_arguments(pos, inverse, backend, seq_len, out)
+    ):
+        return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
+    return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
+
+
+def _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if not isinstance(k, _Tensor):
         raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
     tensor, as_int, as_float = _split_positions(pos, q)
@@ -217,7 +267,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if _lowered((q, k), (q_out, k_out), tail) is not None:
         return q_out, k_out
     if _differentiated(q, k, q_out, k_out):
-        q_rot, k_rot = rotate_qk(key, q, k, pos, inverse, None, backend, seq_len)
+        q_rot, k_rot = _rotate_qk(key, q, k, pos, inverse, None, backend, seq_len)
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)
     elif q_out is q and k_out is k:

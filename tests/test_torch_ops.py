@@ -356,16 +356,56 @@ def _small_step(x, k, pos):
 
 
 def _graph_targets(fn, *args):
-    """The operations of the graph torch.compile hands its backend for ``fn(*args)``."""
+    """The operations of the graph torch.compile's compiler gets for ``fn(*args)``, after
+    AOTAutograd has traced it (arrayrope's calls are nodes of Dynamo's graph until then)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo.reset()
+    torch.compile(fn, backend=aot_autograd(fw_compiler=compiler), fullgraph=True)(*args)
+    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def test_compile_takes_each_call_as_one_node_of_dynamos_graph():
+    """Dynamo traces arrayrope's Python only as far as the graph node each call becomes (the
+    compiled function then guards on few of arrayrope's globals); AOTAutograd traces the node
+    through the operators. Results equal eager's bits."""
+    import operator
+
+    from arrayrope import _torch_ops
+
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    def step(x, k, pos, out):
+        a = _HALF.rotate(x, pos)
+        b, c = _HALF.rotate_qk(x, k, 5)
+        ar.rotate(x, pos, out=out)
+        return a, b, c
+
+    x, k, pos, out = torch.randn(1, 4, 3, 32), torch.randn(1, 2, 3, 32), torch.arange(3), None
+    out = torch.empty_like(x)
     dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    results = torch.compile(step, backend=backend, fullgraph=True)(x, k, pos, out)
+    calls = [
+        n.target
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem
+    ]
+    node, qk_node = _torch_ops._rotate_node, _torch_ops._rotate_qk_node
+    assert calls == [node, qk_node, node]
+    torch.testing.assert_close(results[0], _HALF.rotate(x, pos), rtol=0, atol=0)
+    torch.testing.assert_close(results[1], _HALF.rotate_qk(x, k, 5)[0], rtol=0, atol=0)
+    torch.testing.assert_close(out, ar.rotate(x, pos), rtol=0, atol=0)
 
 
 def test_compile_writes_small_calls_as_torch_operations():
