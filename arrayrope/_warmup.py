@@ -53,6 +53,11 @@ def _calls(rope, dtype):
     rows = max(16, PARALLEL_PAIRS // (rope.rotary_dim // 2))
     far = rng.standard_normal((rows, rope.head_dim)).astype(dtype)
     far_pos = np.arange(rows) + 2**30
+    # a step of two tokens into a paged cache of 16-slot blocks (8 query heads, 2 key-value)
+    tokens = rng.standard_normal((2, 8, rope.head_dim)).astype(dtype)
+    kv = rng.standard_normal((2, 2, rope.head_dim)).astype(dtype)
+    paged = np.zeros((2, 2, 16, 2, rope.head_dim), dtype)  # the key and the value cache
+    slots = np.array([0, 17])
     calls = [
         ("decode step, new result", lambda: rope.rotate(step, 5)),
         ("decode step, in place", lambda: rope.rotate(cache[:, :, 0:1], 5, out=cache[:, :, 0:1])),
@@ -66,6 +71,10 @@ def _calls(rope, dtype):
         ("positions past the cos/sin cache", lambda: rope.rotate(step, np.array([2**31 - 1]))),
         ("a batch of rows past the cache", lambda: rope.rotate(pair, np.array([[[2**30]], [[9]]]))),
         ("positions past the cache, parallel rows", lambda: rope.rotate(far, far_pos)),
+        (
+            "fused step into a paged KV cache",
+            lambda: rope.rotate_into_cache(tokens, kv, kv, slots, paged[0], paged[1], slots),
+        ),
     ]
     if STREAMING and CONFIG.stream_above <= _STREAMING_UP_TO:
         # a result this large takes streaming stores (16 positions: a small table)

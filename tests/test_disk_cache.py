@@ -137,7 +137,8 @@ def test_a_save_waits_for_the_folder_lock(tmp_path):
 
 def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path):
     # a fused float16 step whose launcher, compiled over kernels loaded from the disk cache and
-    # then itself loaded from it in a later process, crashed
+    # then itself loaded from it in a later process, called address 0: the launcher is cached,
+    # its kernels are compiled into it
     case = (
         '[{"rope": {"kind": "plain", "head_dim": 64, "rotary_dim": 64, "style": "interleaved"}, '
         '"op": "into_cache", "dtype": "float16", "shape": [1, 64], "layout": "contiguous", '
@@ -156,7 +157,9 @@ def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path):
         assert done.returncode == 0 and "OK 0" in done.stdout, done.stdout + done.stderr
 
     run()  # every kernel compiled and saved
-    for entry in cache.rglob("_fused_launch.fused_step*"):
+    entries = list(cache.rglob("_fused_launch.fused_step*"))
+    assert entries  # the launcher is in the cache
+    for entry in entries:
         entry.unlink()  # the launcher alone compiled anew, over kernels loaded from the cache
     run()
     run()  # and everything loaded

@@ -17,7 +17,7 @@ def test_warmup_reports_every_variant():
     from arrayrope.backends.cpu import _parallel, _rows
     from arrayrope.backends.cpu._config import STREAMING
 
-    assert seconds > 0 and len(lines) == 12 + STREAMING
+    assert seconds > 0 and len(lines) == 13 + STREAMING
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
     # every kernel of the general path for a new result and in place, and the parallel entry
     # point: on x86-64 the vector steps' (a one-axis RoPE's rows all take them there, the
@@ -34,6 +34,10 @@ def test_warmup_reports_every_variant():
     from arrayrope.backends.cpu import _angles
 
     assert _angles.fill_rows.signatures and _angles.fill_rows_parallel.signatures
+    # the fused step's launcher, which the disk cache keeps
+    from arrayrope.backends.cpu import _fused_launch
+
+    assert any(sig[0].dtype == numba.float32 for sig in _fused_launch.fused_step.signatures)
     with pytest.raises(ar.RopeValueError, match="dtypes must be among"):
         ar.warmup(("int8",))
 

@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._config import DISK_CACHE, VECTOR_BYTES
+from ._config import VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
 from ._simd import copy_bytes
@@ -206,7 +206,11 @@ def _token(
             _copy(v[vb:], vc[vcb:], d, v_multiplier)
 
 
-@njit(cache=DISK_CACHE, nogil=True)
+# fused_range and fused_parallel are compiled only into fused_step (_fused_launch), which the
+# disk cache keeps; they are not cached themselves: a cached function compiled over callees
+# loaded from the cache calls them by symbol, which a later process that loads the caller
+# alone leaves unresolved (a call to address 0).
+@njit(nogil=True)
 def fused_range(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
     rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
@@ -223,7 +227,7 @@ def fused_range(
         )  # fmt: skip
 
 
-@njit(cache=DISK_CACHE, parallel=True)
+@njit(parallel=True)
 def fused_parallel(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
     rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from . import _config
-from ._config import HARDWARE_F16
+from ._config import DISK_CACHE, HARDWARE_F16
 from ._decode import memory_span
 from ._fused import fused_parallel, fused_range
 from ._simd import span
@@ -105,9 +105,13 @@ def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
     return steps
 
 
-# Not in the disk cache: loaded from it in a later process, this function (which calls the
-# parallel launch) crashed on float16 steps, where the same build compiled in the process runs.
-@njit(nogil=True)
+# The step's checks as callees compiled in this process (not loaded from the disk cache, as
+# _step_checks' own are where Python calls them): see fused_range.
+_check_slots = njit(nogil=True)(check_slots.py_func)
+_bounds = njit(nogil=True)(bounds.py_func)
+
+
+@njit(nogil=True, cache=DISK_CACHE)
 def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, numbers,
                settings, tasks):  # fmt: skip
     """Launch the step on arrays of any layout (the half types and float8 as their bits): their
@@ -128,9 +132,9 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
         if slots.shape[0] != n or rows.shape[0] != n:
             return SLOTS
         slots, rows = slots.copy(), rows.copy()
-        if check_slots(slots, kc.shape[0] * block)[0]:
+        if _check_slots(slots, kc.shape[0] * block)[0]:
             return SLOTS
-        low, high = bounds(rows)
+        low, high = _bounds(rows)
         if low < 0 or high >= cos.shape[0]:
             return PAST_THE_TABLE
     at = (
