@@ -199,6 +199,14 @@ class YaRN(ScalingRule):
         if not isinstance(self.truncate, (bool, np.bool_)):
             raise RopeTypeError(f"truncate must be a bool, got {self.truncate!r}")
 
+    def check(self, blocks):
+        super().check(blocks)
+        for _, base in blocks:
+            if base == 1:
+                raise RopeValueError(
+                    "YaRN places its ramp by log(base), which is 0 at base 1: got base 1.0"
+                )
+
     def _block(self, dim, base, key):
         def correction_dim(rotations):
             return (
@@ -329,6 +337,17 @@ class LongRoPE(ScalingRule):
             factor=_optional(_positive),
             attention_factor=_optional(_positive),
         )
+        if (
+            self.attention_factor is None
+            and self.factor is not None
+            and self.factor > 1
+            and self.original_max_positions < 2
+        ):
+            raise RopeValueError(
+                "LongRoPE's attention factor, sqrt(1 + log(factor) / log(original_max_positions)),"
+                " needs original_max_positions > 1 where factor > 1: got 1 (or pass "
+                "attention_factor)"
+            )
 
     def check(self, blocks):
         if len(blocks) != 1:

@@ -224,6 +224,12 @@ def test_rule_errors():
         ar.RoPE(16, scaling="yarn")
     with pytest.raises(ar.RopeTypeError, match="original_max_positions must be an int"):
         YaRN(4, 4096.5)
+    # rules whose formulas divide by log(base) or log(original_max_positions), where it is 0
+    with pytest.raises(RopeValueError, match="YaRN places its ramp by log"):
+        ar.RoPE(4, base=1.0, scaling=YaRN(2, 16))
+    with pytest.raises(RopeValueError, match="needs original_max_positions > 1"):
+        LongRoPE((1, 1), (1, 1), 1, factor=2.0)
+    ar.RoPE(4, scaling=LongRoPE((1, 1), (1, 1), 1, factor=2.0, attention_factor=1.0))
 
 
 # ---------------------------------------------------------------- from_hf_config
