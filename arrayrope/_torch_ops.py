@@ -81,25 +81,28 @@ def _special(t):
     )
 
 
+def _check_positions(pos, x):
+    """Refuse a position tensor the operators cannot take."""
+    if pos.requires_grad and _grad():
+        raise RopeValueError(
+            "pos requires grad: arrayrope differentiates with respect to x, not to the "
+            "positions; pass pos.detach()"
+        )
+    if pos.device != x.device:
+        raise RopeValueError(f"pos is on {pos.device} and x on {x.device}: put them on one device")
+    if pos.dtype in (torch.bfloat16, torch.bool) or pos.is_complex():
+        raise RopeTypeError(
+            f"pos must hold integers or real numbers of float16, float32 or float64, got "
+            f"dtype {pos.dtype}"
+        )
+
+
 def _split_positions(pos, x):
     """``pos`` as the operators' three position arguments: (tensor, int, float), one set."""
     if pos is None:
         return None, None, None
     if isinstance(pos, _Tensor):
-        if pos.requires_grad and _grad():
-            raise RopeValueError(
-                "pos requires grad: arrayrope differentiates with respect to x, not to the "
-                "positions; pass pos.detach()"
-            )
-        if pos.device != x.device:
-            raise RopeValueError(
-                f"pos is on {pos.device} and x on {x.device}: put them on one device"
-            )
-        if pos.dtype in (torch.bfloat16, torch.bool) or pos.is_complex():
-            raise RopeTypeError(
-                f"pos must hold integers or real numbers of float16, float32 or float64, got "
-                f"dtype {pos.dtype}"
-            )
+        _check_positions(pos, x)
         return pos, None, None
     if isinstance(pos, torch.SymInt):  # a traced int (see _rotate_node)
         return None, pos, None
@@ -178,8 +181,22 @@ def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
     if _dynamo_tracing() and _node_arguments(pos, inverse, backend, seq_len, out):
+        _check_node(x, pos, out)
         return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
     return _rotate(key, x, pos, inverse, out, backend, seq_len)
+
+
+def _check_node(x, pos, out):
+    """The checks of positions and outputs that raise arrayrope's errors, made where Dynamo
+    traces: raised inside a graph node, they would reach the caller as torch's
+    TorchRuntimeError."""
+    if isinstance(pos, _Tensor):
+        _check_positions(pos, x)
+    if isinstance(out, _Tensor):
+        _writable("out", out)
+    elif out is not None:
+        _writable("out[0]", out[0])
+        _writable("out[1]", out[1])
 
 
 def _node_arguments(pos, inverse, backend, seq_len, out):
@@ -239,6 +256,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
         and isinstance(k, _Tensor)
         and _node_arguments(pos, inverse, backend, seq_len, out)
     ):
+        _check_node(q, pos, out)
         return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
     return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
 

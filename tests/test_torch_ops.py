@@ -399,13 +399,31 @@ def test_compile_takes_each_call_as_one_node_of_dynamos_graph():
         n.target
         for g in graphs
         for n in g.graph.nodes
-        if n.op == "call_function" and n.target is not operator.getitem
-    ]
+        if n.op == "call_function" and n.target not in (operator.getitem, getattr)
+    ]  # getattr: the checks made before the node read an attribute of out
     node, qk_node = _torch_ops._rotate_node, _torch_ops._rotate_qk_node
     assert calls == [node, qk_node, node]
     torch.testing.assert_close(results[0], _HALF.rotate(x, pos), rtol=0, atol=0)
     torch.testing.assert_close(results[1], _HALF.rotate_qk(x, k, 5)[0], rtol=0, atol=0)
     torch.testing.assert_close(out, ar.rotate(x, pos), rtol=0, atol=0)
+
+
+def test_refusals_under_compile_are_arrayropes_errors():
+    # checked where Dynamo traces: inside the graph node they would be torch's errors
+    x = torch.randn(1, 2, 4, 16)
+    bool_pos = torch.zeros(4, dtype=torch.bool)
+    cases = [
+        (lambda t, p: ROPE.rotate(t, p), (x, bool_pos), RopeTypeError, "integers or real"),
+        (lambda t, p: ROPE.rotate_qk(t, t, p), (x, bool_pos), RopeTypeError, "integers or real"),
+        (lambda t, p: ROPE.rotate(t, p), (x, torch.arange(4.0).requires_grad_()), RopeValueError,
+         "pos requires grad"),
+        (lambda t, o: ROPE.rotate(t, 3, out=o), (x, torch.empty_like(x).requires_grad_()),
+         RopeValueError, "out is a leaf"),
+    ]  # fmt: skip
+    for fn, args, error, message in cases:
+        dynamo.reset()
+        with pytest.raises(error, match=message):
+            torch.compile(fn)(*args)
 
 
 def test_compile_writes_small_calls_as_torch_operations():
