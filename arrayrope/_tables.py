@@ -17,10 +17,12 @@ not grow with it, with no cos or sin per element. transformers' tables (``_hf_an
 the exception: torch makes each of their rows.
 """
 
+import math
 import threading
 
 import numpy as np
 
+from ._errors import RopeError, RopeValueError
 from .scaling import plain_inv_freq
 
 # Default cap on the cached rows: 32 MiB for cos and sin together. Larger positions take rows
@@ -60,21 +62,42 @@ class FreqSet:
         scaling ("rotate"), one ("shift": a pure rotation), or its inverse ("undo": the exact
         undo). ``source``: a module whose ``frequencies`` and ``HFTables`` make the frequencies
         and tables instead of arrayrope's own (``_hf_angles``, for ``angles="transformers"``)."""
-        tables = None
-        if source is not None:
-            inv_freq, scale = source.frequencies(blocks, scaling, selected)
-            tables = source.HFTables
-        elif scaling is None:
-            inv_freq = np.concatenate([plain_inv_freq(n, b) for n, b in blocks])
-            scale = 1.0
-        else:
-            inv_freq, scale = scaling.frequencies(blocks, selected)
+        try:  # what the rule gives is checked below: numpy's overflow warnings are not wanted
+            with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                inv_freq, scale, tables = _frequencies(blocks, scaling, selected, source)
+            finite = np.isfinite(np.asarray(inv_freq, dtype=np.float64)).all()
+        except RopeError:
+            raise
+        except (ArithmeticError, ValueError) as error:  # overflow, log(0), a float of a huge int
+            why = f"{type(error).__name__}: {error}"
+            raise RopeValueError(_no_frequencies(blocks, scaling, why)) from None
+        if not finite or not (math.isfinite(scale) and scale > 0):
+            raise RopeValueError(_no_frequencies(blocks, scaling, "not finite"))
         scale = {"rotate": scale, "shift": 1.0, "undo": 1.0 / scale}[mode]
         if pick is not None:
             sign, order = pick
             inv_freq = sign * np.asarray(inv_freq)[list(order)]
         inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
         return cls(inv_freq, pair_axis, scale, max_rows, tables)
+
+
+def _frequencies(blocks, scaling, selected, source):
+    """(inv_freq, attention scaling, the tables' class or None) of FreqSet.of."""
+    if source is not None:
+        inv_freq, scale = source.frequencies(blocks, scaling, selected)
+        return inv_freq, scale, source.HFTables
+    if scaling is None:
+        return np.concatenate([plain_inv_freq(n, b) for n, b in blocks]), 1.0, None
+    inv_freq, scale = scaling.frequencies(blocks, selected)
+    return inv_freq, scale, None
+
+
+def _no_frequencies(blocks, scaling, why):
+    bases = sorted({base for _, base in blocks})
+    rule = "" if scaling is None else f" under {scaling!r}"
+    return (
+        f"base {bases[0] if len(bases) == 1 else bases}{rule} gives no finite frequencies ({why})"
+    )
 
 
 class CosSinTables:
