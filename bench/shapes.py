@@ -89,6 +89,12 @@ def matrix(nbytes, repeats):
         }
         if mode == "new":
             ceilings = [lambda: x.copy()]  # which allocates its result too
+        elif mode == "rotate_qk":  # q's bytes and k's
+            ks, kt = k.reshape(-1).view(np.uint8), k_out.reshape(-1).view(np.uint8)
+            ceilings = [
+                lambda: (np.copyto(out, x), np.copyto(k_out, k)),
+                lambda: (threaded_copy(s, t), threaded_copy(ks, kt)),
+            ]
         seconds, _, ratio, _ = paired(ops[mode], ceilings, repeats)
         key = (d, style, np.dtype(dtype).name, mode)
         if rotary_dim == d:

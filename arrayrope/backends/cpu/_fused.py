@@ -207,9 +207,10 @@ def _token(
 
 
 # fused_range and fused_parallel are compiled only into fused_step (_fused_launch), which the
-# disk cache keeps; they are not cached themselves: a cached function compiled over callees
-# loaded from the cache calls them by symbol, which a later process that loads the caller
-# alone leaves unresolved (a call to address 0).
+# disk cache keeps; they are not cached themselves. A cached function compiled over a parallel
+# callee that was loaded from the cache calls it at an address that a later process, loading
+# the caller alone, leaves 0 (Numba 0.68; a plain callee links). fused_range is compiled in
+# too, so that the launcher's build never depends on what the cache held when it compiled.
 @njit(nogil=True)
 def fused_range(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,

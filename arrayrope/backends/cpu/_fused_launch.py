@@ -105,8 +105,8 @@ def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
     return steps
 
 
-# The step's checks as callees compiled in this process (not loaded from the disk cache, as
-# _step_checks' own are where Python calls them): see fused_range.
+# The step's checks compiled into fused_step, not loaded from the disk cache as _step_checks'
+# own are where Python calls them (see fused_range).
 _check_slots = njit(nogil=True)(check_slots.py_func)
 _bounds = njit(nogil=True)(bounds.py_func)
 
