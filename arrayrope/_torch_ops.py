@@ -180,10 +180,20 @@ def _seq_len(seq_len):
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
-    if _dynamo_tracing() and _node_arguments(pos, inverse, backend, seq_len, out):
-        _check_node(x, pos, out)
-        return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
+    if _dynamo_tracing():
+        if _transforms():
+            _eager_under_transforms()
+        elif _node_arguments(pos, inverse, backend, seq_len, out):
+            _check_node(x, pos, out)
+            return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
     return _rotate(key, x, pos, inverse, out, backend, seq_len)
+
+
+def _eager_under_transforms():
+    """Where torch.compile traces a call inside a torch.func transform, a graph break: the call
+    runs eagerly, where the transform differentiates (or batches) through the Functions. Traced
+    under a transform, jvp's tangents came out wrong, with no error."""
+    torch._dynamo.graph_break()
 
 
 def _check_node(x, pos, out):
@@ -251,13 +261,12 @@ def _rotate(key, x, pos, inverse, out, backend, seq_len):
 
 def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     """``Engine.rotate_qk``'s contract for torch tensors, through the operators."""
-    if (
-        _dynamo_tracing()
-        and isinstance(k, _Tensor)
-        and _node_arguments(pos, inverse, backend, seq_len, out)
-    ):
-        _check_node(q, pos, out)
-        return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
+    if _dynamo_tracing():
+        if _transforms():
+            _eager_under_transforms()
+        elif isinstance(k, _Tensor) and _node_arguments(pos, inverse, backend, seq_len, out):
+            _check_node(q, pos, out)
+            return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
     return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
 
 

@@ -399,13 +399,38 @@ def test_compile_takes_each_call_as_one_node_of_dynamos_graph():
         n.target
         for g in graphs
         for n in g.graph.nodes
-        if n.op == "call_function" and n.target not in (operator.getitem, getattr)
-    ]  # getattr: the checks made before the node read an attribute of out
+        if n.op == "call_function"
+        # beside the nodes: the check for torch.func transforms, and the attributes that the
+        # checks made before a node read
+        and n.target not in (operator.getitem, getattr, torch._C._are_functorch_transforms_active)
+    ]
     node, qk_node = _torch_ops._rotate_node, _torch_ops._rotate_qk_node
     assert calls == [node, qk_node, node]
     torch.testing.assert_close(results[0], _HALF.rotate(x, pos), rtol=0, atol=0)
     torch.testing.assert_close(results[1], _HALF.rotate_qk(x, k, 5)[0], rtol=0, atol=0)
     torch.testing.assert_close(out, ar.rotate(x, pos), rtol=0, atol=0)
+
+
+def test_transforms_inside_compile_equal_eager():
+    # a call under a torch.func transform that torch.compile traces runs eagerly (a graph
+    # break): traced, jvp's tangents came out wrong with no error
+    x = torch.randn(1, 8, 256, 16, dtype=torch.float64)  # past the small calls: the operators
+    k, pos = torch.randn(1, 2, 256, 16, dtype=torch.float64), torch.arange(256)
+    steps = [
+        lambda t, p: torch.func.jvp(lambda u: ROPE.rotate(u, p), (t,), (torch.ones_like(t),)),
+        lambda t, p: torch.func.jvp(
+            lambda u: ROPE.rotate_qk(u, k, p)[0], (t,), (torch.ones_like(t),)
+        ),
+        lambda t, p: torch.func.grad(lambda u: (ROPE.rotate(u, p) ** 2).sum())(t),
+        lambda t, p: torch.func.vmap(lambda u: ROPE.rotate(u, p))(t),
+    ]
+    for step in steps:
+        dynamo.reset()
+        want, got = step(x, pos), torch.compile(step)(x, pos)
+        for w, g in zip(
+            want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)
+        ):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
 
 def test_refusals_under_compile_are_arrayropes_errors():
