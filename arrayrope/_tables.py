@@ -65,7 +65,8 @@ class FreqSet:
         try:  # what the rule gives is checked below: numpy's overflow warnings are not wanted
             with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
                 inv_freq, scale, tables = _frequencies(blocks, scaling, selected, source)
-            finite = np.isfinite(np.asarray(inv_freq, dtype=np.float64)).all()
+            inv_freq = np.asarray(inv_freq, dtype=np.float64)
+            finite = np.isfinite(inv_freq).all()
         except RopeError:
             raise
         except (ArithmeticError, ValueError) as error:  # overflow, log(0), a float of a huge int
@@ -76,8 +77,8 @@ class FreqSet:
         scale = {"rotate": scale, "shift": 1.0, "undo": 1.0 / scale}[mode]
         if pick is not None:
             sign, order = pick
-            inv_freq = sign * np.asarray(inv_freq)[list(order)]
-        inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
+            inv_freq = sign * inv_freq[list(order)]
+        inv_freq = np.ascontiguousarray(inv_freq)
         return cls(inv_freq, pair_axis, scale, max_rows, tables)
 
 
