@@ -99,6 +99,38 @@ def test_decode_steps_past_the_cache(pos, dtype, style, rotary_dim, mode, invers
 
 
 @given(
+    st.lists(large_positions, min_size=1, max_size=4),
+    st.sampled_from(DTYPES),
+    st.sampled_from(["interleaved", "half"]),
+    st.sampled_from(["fresh", "out", "in place"]),
+    st.booleans(),
+)
+def test_decode_steps_at_one_entry_position_arrays(positions, dtype, style, mode, inverse):
+    """A loop that passes each step's position as an array: once one went past the cap, every
+    later step (small positions too) rotates by the row made for its position."""
+    rng = np.random.default_rng(positions[0])
+    rope = ar.RoPE(64, style=style, rotary_dim=32)
+    x = random_array(rng, (1, 4, 1, 64), dtype)
+    for pos in [2**31 - 1, *positions]:
+        p = np.array([[pos]])
+        want = oracle(x, pos, style=style, rotary_dim=32, inverse=inverse)
+        if mode == "fresh":
+            got = rope.rotate(x, p, inverse=inverse)
+        elif mode == "out":
+            got = poisoned(x.shape, x.dtype)
+            assert rope.rotate(x, p, inverse=inverse, out=got) is got
+        else:
+            got = x.copy()
+            rope.rotate(got, p, inverse=inverse, out=got)
+        assert_matches(got, want, x)
+    out = poisoned(x.shape, x.dtype)
+    for bad, match in ((-1, "non-negative"), (2**31, "below 2\\*\\*31")):
+        with pytest.raises(ar.RopeValueError, match=match):
+            rope.rotate(x, np.array([[bad]]), out=out)
+        assert np.isnan(out.astype(np.float64)).all()
+
+
+@given(
     st.lists(large_positions, min_size=1, max_size=6),
     st.sampled_from(DTYPES),
     st.sampled_from(["interleaved", "half"]),

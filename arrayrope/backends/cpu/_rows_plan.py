@@ -152,6 +152,11 @@ class RowsPlan:
         if kind == INT:
             return self._step(x, pos, inverse, out, seq_len)
         if self.past_cap:
+            one = pos.item() if pos.size == 1 else -1
+            if 0 <= one < LIMIT:  # a decode step's one position, as an array
+                if self.row_at is None:
+                    self.row_at = self.table_source.row_at(self.table_dtype)
+                return self._step(x, one, inverse, out, seq_len, pos)
             return self._past_cap((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
         if kind == NONE and self.highest_default >= self.rows:
             return self.run((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
@@ -163,10 +168,14 @@ class RowsPlan:
             return _RETRY[status](self, (x,), pos, positions, inverse, outs, seq_len)[0]
         return result
 
-    def _step(self, x, pos, inverse, out, seq_len):
+    def _step(self, x, pos, inverse, out, seq_len, given=None):
         """:meth:`rotate` at an int position (a decode step), with Operand.arguments written
-        out: one call fewer, which such a step feels."""
-        if 0 <= pos < self.rows:
+        out: one call fewer, which such a step feels. ``given``: the one-entry position array
+        that ``pos`` came from, once array positions went past the cap (its row made, as
+        :meth:`_past_cap` makes it)."""
+        if given is not None:
+            tables, at, pos = self.row_at(pos), _FIRST_ROW, given
+        elif 0 <= pos < self.rows:
             tables, at = self.tables, pos
         elif self.row_at is not None and self.cap <= pos < LIMIT:
             tables, at = self.row_at(pos), 0
