@@ -121,13 +121,13 @@ def rotate(
     >>> ar.rotate(q, style="half")[0, 0, 1]               # position 1
     array([-0.30116868,  0.9899502 ,  1.3817732 ,  1.0099498 ], dtype=float32)
     """
-    if type(x) is not _NDARRAY and _interop.torch_ops_wanted(x, pos, out):
+    if type(x) is not _NDARRAY and _torch_wanted(x)(x, pos, out):
         # torch traces this call: the RoPE is found outside the trace, the ops do the rest
         _head_dim("x", x)
-        key = _interop.torch_ops().shared_key(base, style, rotary_dim, scaling)
+        key = _interop.torch_shared_key(base, style, rotary_dim, scaling)
         if head_axis is not None:
             pos = with_head_axis(pos, head_axis, x, 1)
-        return _interop.torch_ops().rotate(key, x, pos, inverse, out, backend, seq_len)
+        return _interop.torch_rotate(key, x, pos, inverse, out, backend, seq_len)
     try:
         rope = _shared.get((x.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):  # the slow way below says what is wrong
@@ -194,12 +194,12 @@ def rotate_qk(
     >>> bool(np.allclose(q_rot[0, 0], k_rot[0, 0]))
     True
     """
-    if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, pos, out, k):
+    if type(q) is not _NDARRAY and _torch_wanted(q)(q, pos, out, k):
         _head_dim("q", q)
-        key = _interop.torch_ops().shared_key(base, style, rotary_dim, scaling)
+        key = _interop.torch_shared_key(base, style, rotary_dim, scaling)
         if head_axis is not None:
             pos = with_head_axis(pos, head_axis, q, 1)
-        return _interop.torch_ops().rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
+        return _interop.torch_rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
     try:
         rope = _shared.get((q.shape[-1], base, style, rotary_dim, scaling))
     except (AttributeError, IndexError, TypeError):
@@ -226,6 +226,16 @@ def _native(name, a, written=False):
             "leave out unset"
         )
     return native, back
+
+
+def _torch_wanted(x):
+    """``_torch_ops.wanted`` for a torch tensor ``x`` once torch's operators are loaded (the
+    function itself, for the guards: see ``_interop``), else ``_interop.torch_ops_wanted``,
+    which loads them for a first torch tensor and says False for other arrays."""
+    wanted = _interop.torch_wanted
+    if wanted is None or type(x).__module__[:5] != "torch":
+        return _interop.torch_ops_wanted
+    return wanted
 
 
 def _torch_traced(xs, cos, sin, outs):

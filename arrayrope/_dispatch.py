@@ -96,16 +96,23 @@ class Engine:
                 plan = self.plans.get(key)
                 if plan is not None:
                     return plan.rotate(x, pos, inverse, out, seq_len)
-        elif (
-            type(x) is _interop.torch_tensor
-            and out is None
-            and (pos is None or type(pos) is int)
-            and (native := _interop.eager_view(x)) is not None
-        ):  # an eager decode step on a CPU tensor: its memory as NumPy, the result back
-            return _interop.from_numpy(self.rotate(native, pos, inverse, None, backend, seq_len))
+        elif type(x).__module__ == "torch" and (routed := _interop.torch_routed) is not None:
+            # a torch.Tensor, once arrayrope's torch module is loaded (told by its class's module,
+            # not by torch.Tensor itself: see _interop)
+            if (
+                out is None
+                and (pos is None or type(pos) is int)
+                and (native := _interop.eager_view(x)) is not None
+            ):  # an eager decode step on a CPU tensor: its memory as NumPy, the result back
+                return _interop.from_numpy(
+                    self.rotate(native, pos, inverse, None, backend, seq_len)
+                )
+            found = routed(self.key, x, pos, inverse, out, backend, seq_len)
+            if found is not None:
+                return found
         elif _interop.torch_ops_wanted(x, pos, out):
             return _interop.torch_ops().rotate(self.key, x, pos, inverse, out, backend, seq_len)
-        elif out is None or out is x:
+        if type(x) is not _NDARRAY and (out is None or out is x):
             adopt = _interop.fast_adopter(type(x))
             found = None if adopt is None else adopt(x)
             if found is not None:  # a torch or JAX array on the CPU, viewed as NumPy
@@ -125,10 +132,15 @@ class Engine:
         return self.run((x,), pos, inverse, outs, backend, seq_len)[0]
 
     def rotate_qk(self, q, k, pos, inverse, out, backend, seq_len):
-        if type(q) is not _NDARRAY and _interop.torch_ops_wanted(q, pos, out, k):
-            return _interop.torch_ops().rotate_qk(
-                self.key, q, k, pos, inverse, out, backend, seq_len
-            )
+        if type(q) is not _NDARRAY:
+            if type(q).__module__ == "torch" and (routed := _interop.torch_routed_qk) is not None:
+                found = routed(self.key, q, k, pos, inverse, out, backend, seq_len)
+                if found is not None:
+                    return found
+            elif _interop.torch_ops_wanted(q, pos, out, k):
+                return _interop.torch_ops().rotate_qk(
+                    self.key, q, k, pos, inverse, out, backend, seq_len
+                )
         if out is None and type(q) is type(k) and type(q) is not _NDARRAY:
             adopt = _interop.fast_adopter(type(q))
             found = None if adopt is None else (adopt(q), adopt(k))

@@ -61,15 +61,22 @@ def eager_view(x):
     """A NumPy view of the torch tensor ``x`` where a call on ``x`` alone (no out; an int
     position or none) takes the path every array takes: a plain CPU tensor of a type NumPy
     holds, with no lazy negation, that nothing traces, transforms or records. Else None.
-    :func:`wanted` and the fast adopter in one, for an eager decode step."""
-    if _compiling() or _transforms() or _dispatch_modes() or _jit_tracing() is not None:
-        return None
-    if _forward_ad._current_level >= 0:
+    :func:`wanted` and the fast adopter in one, for an eager decode step. (Where AOTAutograd or
+    torch.export trace, x is a fake or functional tensor, or a dispatch mode is on: Dynamo's
+    own test is enough here.)"""
+    if (
+        _dynamo_tracing()
+        or _dispatch_modes()
+        or _jit_tracing() is not None
+        or _forward_ad._current_level >= 0
+        or type(x) is not _Tensor
+    ):
         return None
     try:
         # numpy() refuses, for the general way, what this path must not take: a tensor that
-        # requires grad (under no_grad too), a meta or device tensor, bfloat16, a negative or
-        # conjugate bit
+        # requires grad (under no_grad too), one that a torch.func transform wraps, a meta or
+        # device tensor, bfloat16, a negative or conjugate bit (a tensor that a transform
+        # does not wrap is a constant to it: rotated here, as outside it)
         return x.numpy()
     except (RuntimeError, TypeError):
         return None
@@ -177,13 +184,29 @@ def _seq_len(seq_len):
         raise RopeTypeError(f"seq_len must be an int or None, got {seq_len!r}") from None
 
 
+def routed(key, x, pos, inverse, out, backend, seq_len):
+    """``Engine.rotate`` on a torch.Tensor that its eager decode step did not take:
+    :func:`rotate` where :func:`wanted` says so, else None (the call takes the way of every
+    array). One function, so that Dynamo, which traces it, guards on few of its globals."""
+    if _dynamo_tracing() or wanted(x, pos, out):
+        return rotate(key, x, pos, inverse, out, backend, seq_len)
+    return None
+
+
+def routed_qk(key, q, k, pos, inverse, out, backend, seq_len):
+    """:func:`routed` of ``Engine.rotate_qk``."""
+    if _dynamo_tracing() or wanted(q, pos, out, k):
+        return rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
+    return None
+
+
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
     the engine."""
     if _dynamo_tracing():
         if _transforms():
             _eager_under_transforms()
-        elif _node_arguments(pos, inverse, backend, seq_len, out):
+        elif _node_arguments(type(x), pos, inverse, backend, seq_len, out):
             _check_node(x, pos, out)
             return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
     return _rotate(key, x, pos, inverse, out, backend, seq_len)
@@ -199,29 +222,31 @@ def _eager_under_transforms():
 def _check_node(x, pos, out):
     """The checks of positions and outputs that raise arrayrope's errors, made where Dynamo
     traces: raised inside a graph node, they would reach the caller as torch's
-    TorchRuntimeError."""
-    if isinstance(pos, _Tensor):
+    TorchRuntimeError. (x's type stands for torch.Tensor, here and in :func:`_node_arguments`:
+    Dynamo checks on each call that two names of one object still name one object.)"""
+    tensor = type(x)
+    if isinstance(pos, tensor):
         _check_positions(pos, x)
-    if isinstance(out, _Tensor):
+    if isinstance(out, tensor):
         _writable("out", out)
     elif out is not None:
         _writable("out[0]", out[0])
         _writable("out[1]", out[1])
 
 
-def _node_arguments(pos, inverse, backend, seq_len, out):
-    """Whether a call's arguments other than its tensors are ones a graph node holds: None, an
-    int, a bool or a str where the call has them (else it is traced as written, and refused
-    there if it must be)."""
-    if not (pos is None or type(pos) is int or isinstance(pos, _Tensor)):
+def _node_arguments(tensor, pos, inverse, backend, seq_len, out):
+    """Whether a call's arguments other than its tensors (of class ``tensor``) are ones a graph
+    node holds: None, an int, a bool or a str where the call has them (else it is traced as
+    written, and refused there if it must be)."""
+    if not (pos is None or type(pos) is int or isinstance(pos, tensor)):
         return False
     if type(inverse) is not bool or type(backend) is not str:
         return False
     if not (seq_len is None or type(seq_len) is int):
         return False
-    if out is None or isinstance(out, _Tensor):
+    if out is None or isinstance(out, tensor):
         return True
-    return type(out) is tuple and len(out) == 2 and all(isinstance(o, _Tensor) for o in out)
+    return type(out) is tuple and len(out) == 2 and all(isinstance(o, tensor) for o in out)
 
 
 # While torch.compile's Dynamo traces, a call is one node of its graph, which AOTAutograd then
@@ -264,7 +289,9 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if _dynamo_tracing():
         if _transforms():
             _eager_under_transforms()
-        elif isinstance(k, _Tensor) and _node_arguments(pos, inverse, backend, seq_len, out):
+        elif isinstance(k, type(q)) and _node_arguments(
+            type(q), pos, inverse, backend, seq_len, out
+        ):
             _check_node(q, pos, out)
             return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
     return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)

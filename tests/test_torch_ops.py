@@ -217,6 +217,17 @@ def test_torch_func_transforms():
         vmap(grad(lambda t: rope.rotate(t, pos).sum()))(batch[:, None].expand(5, 2, 3, 8)),
         transpose.expand(5, 2, 3, 8),
     )
+    # int positions: a tensor the transform wraps goes through the operators, one it does not
+    # wrap (a constant to it) the eager decode step's way
+    decode = rope.rotate(rows, 9)
+    torch.testing.assert_close(vmap(lambda t: rope.rotate(t, 9))(rows), decode)
+    torch.testing.assert_close(
+        vmap(lambda t: rope.rotate(rows[0], 9) + t)(batch[:, 0]), decode[0] + batch[:, 0]
+    )
+    torch.testing.assert_close(
+        grad(lambda t: (rope.rotate(t, 9) * rope.rotate(rows, 9)).sum())(rows),
+        rope.rotate(decode, 9, inverse=True),
+    )
 
 
 def test_export_holds_the_operator():
@@ -409,6 +420,32 @@ def test_compile_takes_each_call_as_one_node_of_dynamos_graph():
     torch.testing.assert_close(results[0], _HALF.rotate(x, pos), rtol=0, atol=0)
     torch.testing.assert_close(results[1], _HALF.rotate_qk(x, k, 5)[0], rtol=0, atol=0)
     torch.testing.assert_close(out, ar.rotate(x, pos), rtol=0, atol=0)
+
+
+def test_compiled_calls_check_no_second_name_of_arrayropes_objects():
+    """Dynamo guards on each global that it traces on the way to a call's graph node, and where
+    one object is reached by two names (a module as another module's attribute and as a
+    function's globals, torch.Tensor through arrayrope), on each call of the compiled code it
+    checks in Python that the two still name one object. rotate and rotate_qk, the RoPE's and
+    the module's, reach their nodes with none of those checks."""
+    x, k, pos = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.arange(1)
+    _HALF.rotate(x, 0)  # arrayrope's torch module loaded, as in a process that ran eagerly
+    for fn in (
+        lambda x, p: _HALF.rotate(x, p),
+        lambda x, p: _HALF.rotate_qk(x, k, p),
+        lambda x, p: ar.rotate(x, p),
+        lambda x, p: ar.rotate_qk(x, k, p, style="half"),
+    ):
+        found = []
+
+        def keep(entries, found=found):
+            found.extend(e for e in entries if e.guard_type == "DUPLICATE_INPUT")
+            return [True] * len(entries)
+
+        dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, options={"guard_filter_fn": keep})
+        compiled(x, pos)
+        assert [e.name for e in found if "arrayrope" in e.name] == []
 
 
 def test_transforms_inside_compile_equal_eager():
