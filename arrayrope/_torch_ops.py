@@ -35,6 +35,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._get_tracing_state
 _grad = torch.is_grad_enabled
 _forward_ad = torch.autograd.forward_ad
+_REFUSED_POSITIONS = (torch.bfloat16, torch.bool)  # read here, not as torch.*: see rotate
 
 
 def wanted(x, pos, out, k=None):
@@ -66,6 +67,7 @@ def eager_view(x):
     own test is enough here.)"""
     if (
         _dynamo_tracing()
+        or _transforms()
         or _dispatch_modes()
         or _jit_tracing() is not None
         or _forward_ad._current_level >= 0
@@ -74,9 +76,8 @@ def eager_view(x):
         return None
     try:
         # numpy() refuses, for the general way, what this path must not take: a tensor that
-        # requires grad (under no_grad too), one that a torch.func transform wraps, a meta or
-        # device tensor, bfloat16, a negative or conjugate bit (a tensor that a transform
-        # does not wrap is a constant to it: rotated here, as outside it)
+        # requires grad (under no_grad too), a meta or device tensor, bfloat16, a negative or
+        # conjugate bit
         return x.numpy()
     except (RuntimeError, TypeError):
         return None
@@ -97,7 +98,7 @@ def _check_positions(pos, x):
         )
     if pos.device != x.device:
         raise RopeValueError(f"pos is on {pos.device} and x on {x.device}: put them on one device")
-    if pos.dtype in (torch.bfloat16, torch.bool) or pos.is_complex():
+    if pos.dtype in _REFUSED_POSITIONS or pos.is_complex():
         raise RopeTypeError(
             f"pos must hold integers or real numbers of float16, float32 or float64, got "
             f"dtype {pos.dtype}"
@@ -202,11 +203,17 @@ def routed_qk(key, q, k, pos, inverse, out, backend, seq_len):
 
 def rotate(key, x, pos, inverse, out, backend, seq_len):
     """``Engine.rotate``'s contract for a torch tensor, through the operators; ``key`` names
-    the engine."""
+    the engine.
+
+    Where Dynamo traces, the code up to the graph node reads as few globals as it can, and
+    neither torch.Tensor nor the torch module through arrayrope's names: Dynamo guards on each
+    global it reads, and where the function it compiles reaches one object by a second name
+    (torch.Tensor as x's class, the torch module as the caller's ``torch``), it checks on each
+    call, in Python, that the two still name one object."""
     if _dynamo_tracing():
         if _transforms():
             _eager_under_transforms()
-        elif _node_arguments(type(x), pos, inverse, backend, seq_len, out):
+        elif _node_arguments(_tensor_class(x), pos, inverse, backend, seq_len, out):
             _check_node(x, pos, out)
             return _rotate_node(key, x, pos, inverse, out, backend, seq_len)
     return _rotate(key, x, pos, inverse, out, backend, seq_len)
@@ -219,12 +226,16 @@ def _eager_under_transforms():
     torch._dynamo.graph_break()
 
 
+def _tensor_class(x):
+    """torch.Tensor, read as x's class where x is a plain tensor (see :func:`rotate`)."""
+    return type(x) if type(x).__module__ == "torch" else _Tensor
+
+
 def _check_node(x, pos, out):
     """The checks of positions and outputs that raise arrayrope's errors, made where Dynamo
     traces: raised inside a graph node, they would reach the caller as torch's
-    TorchRuntimeError. (x's type stands for torch.Tensor, here and in :func:`_node_arguments`:
-    Dynamo checks on each call that two names of one object still name one object.)"""
-    tensor = type(x)
+    TorchRuntimeError."""
+    tensor = _tensor_class(x)
     if isinstance(pos, tensor):
         _check_positions(pos, x)
     if isinstance(out, tensor):
@@ -289,8 +300,8 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
     if _dynamo_tracing():
         if _transforms():
             _eager_under_transforms()
-        elif isinstance(k, type(q)) and _node_arguments(
-            type(q), pos, inverse, backend, seq_len, out
+        elif isinstance(k, tensor := _tensor_class(q)) and _node_arguments(
+            tensor, pos, inverse, backend, seq_len, out
         ):
             _check_node(q, pos, out)
             return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)

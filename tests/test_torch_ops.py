@@ -435,6 +435,7 @@ def test_compiled_calls_check_no_second_name_of_arrayropes_objects():
         lambda x, p: _HALF.rotate_qk(x, k, p),
         lambda x, p: ar.rotate(x, p),
         lambda x, p: ar.rotate_qk(x, k, p, style="half"),
+        lambda x, p: torch.relu(_HALF.rotate(x, p)),  # the caller's torch: the module again
     ):
         found = []
 
@@ -446,6 +447,35 @@ def test_compiled_calls_check_no_second_name_of_arrayropes_objects():
         compiled = torch.compile(fn, fullgraph=True, options={"guard_filter_fn": keep})
         compiled(x, pos)
         assert [e.name for e in found if "arrayrope" in e.name] == []
+
+
+def test_a_parameter_is_one_node_of_dynamos_graph_too():
+    """x a tensor subclass (a parameter) with plain tensor positions and out: still one node."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x = torch.nn.Parameter(torch.randn(1, 4, 3, 32), requires_grad=False)
+    pos, out = torch.arange(3), torch.empty(1, 4, 3, 32)
+    counter = CompileCounterWithBackend("aot_eager")
+    dynamo.reset()
+    compiled = torch.compile(lambda x, p, o: _HALF.rotate(x, p, out=o), backend=counter)
+    compiled(x, pos, out)
+    assert counter.frame_count == 1 and counter.op_count <= 3  # the node, beside its checks
+    torch.testing.assert_close(out, _HALF.rotate(x.detach(), pos), rtol=0, atol=0)
+
+
+def test_functionalize_never_rotates_what_is_not_x():
+    """torch.func.functionalize wraps x in a tensor whose numpy() does not refuse: the call
+    must not take the eager step's view of its memory (it raises, or equals eager)."""
+    from torch.func import functionalize
+
+    x = torch.arange(16, dtype=torch.float64).reshape(2, 8) + 1
+    rope = ar.RoPE(8, style="half")
+    for fn in (lambda a: rope.rotate(a, 9), lambda a: rope.rotate(a)):
+        try:
+            got = functionalize(fn)(x)
+        except RuntimeError:
+            continue
+        torch.testing.assert_close(got, fn(x))
 
 
 def test_transforms_inside_compile_equal_eager():

@@ -123,7 +123,7 @@ class RowsPlan:
         self.table_dtype = _arrays.compute_dtype(xs[0].dtype)
         self.cap = self.table_source.cap(self.table_dtype)
         # a single position's row past the cap (set once one comes: by _grow for an int, by
-        # _past_cap for a one-entry array)
+        # _past_cap or rotate for a one-entry array)
         self.row_at = None
         # Once array positions came past the cap, every call takes rows made for it (the
         # cache's values at any position) without first asking the kernel.
