@@ -104,9 +104,24 @@ class Engine:
                 and (pos is None or type(pos) is int)
                 and (native := _interop.eager_view(x)) is not None
             ):  # an eager decode step on a CPU tensor: its memory as NumPy, the result back
-                return _interop.from_numpy(
-                    self.rotate(native, pos, inverse, None, backend, seq_len)
+                # (the NumPy way's plan looked up here, as above: a call less)
+                plan = self.plans.get(
+                    (
+                        NUMPY,
+                        native.dtype,
+                        native.shape,
+                        native.strides,
+                        native.flags.num,
+                        NONE if pos is None else INT,
+                        None,
+                        backend,
+                    )
                 )
+                if plan is None:
+                    return _interop.from_numpy(
+                        self.rotate(native, pos, inverse, None, backend, seq_len)
+                    )
+                return _interop.from_numpy(plan.rotate(native, pos, inverse, None, seq_len))
             found = routed(self.key, x, pos, inverse, out, backend, seq_len)
             if found is not None:
                 return found
