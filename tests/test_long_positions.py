@@ -72,6 +72,19 @@ def test_level_rows_of_a_multi_axis_rope():
     assert _ulps(rows, exact, np.float32).max() <= 1
 
 
+def _rotated(rope, x, pos, inverse, mode):
+    """``rope.rotate`` of x into a new array, into a poisoned ``out`` or in place (a copy)."""
+    if mode == "fresh":
+        return rope.rotate(x, pos, inverse=inverse)
+    if mode == "out":
+        got = poisoned(x.shape, x.dtype)
+        assert rope.rotate(x, pos, inverse=inverse, out=got) is got
+        return got
+    got = x.copy()
+    rope.rotate(got, pos, inverse=inverse, out=got)
+    return got
+
+
 @given(
     large_positions,
     st.sampled_from(DTYPES),
@@ -86,14 +99,7 @@ def test_decode_steps_past_the_cache(pos, dtype, style, rotary_dim, mode, invers
     x = random_array(rng, (1, 4, 1, 64), dtype)
     want = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
     for _ in range(2):  # the first call past the cap, then the plan's own route for it
-        if mode == "fresh":
-            got = rope.rotate(x, pos, inverse=inverse)
-        elif mode == "out":
-            got = poisoned(x.shape, x.dtype)
-            assert rope.rotate(x, pos, inverse=inverse, out=got) is got
-        else:
-            got = x.copy()
-            rope.rotate(got, pos, inverse=inverse, out=got)
+        got = _rotated(rope, x, pos, inverse, mode)
         assert_matches(got, want, x)
         np.testing.assert_array_equal(bits(got[..., rotary_dim:]), bits(x[..., rotary_dim:]))
 
@@ -114,15 +120,7 @@ def test_decode_steps_at_one_entry_position_arrays(positions, dtype, style, mode
     for pos in [2**31 - 1, *positions]:
         p = np.array([[pos]])
         want = oracle(x, pos, style=style, rotary_dim=32, inverse=inverse)
-        if mode == "fresh":
-            got = rope.rotate(x, p, inverse=inverse)
-        elif mode == "out":
-            got = poisoned(x.shape, x.dtype)
-            assert rope.rotate(x, p, inverse=inverse, out=got) is got
-        else:
-            got = x.copy()
-            rope.rotate(got, p, inverse=inverse, out=got)
-        assert_matches(got, want, x)
+        assert_matches(_rotated(rope, x, p, inverse, mode), want, x)
     out = poisoned(x.shape, x.dtype)
     for bad, match in ((-1, "non-negative"), (2**31, "below 2\\*\\*31")):
         with pytest.raises(ar.RopeValueError, match=match):
