@@ -252,6 +252,38 @@ def test_forked_child_after_a_parallel_parent():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
 
 
+def test_one_numba_thread_takes_no_parallel_launch():
+    # With one Numba thread (NUMBA_NUM_THREADS=1, or one CPU) a parallel kernel would run its
+    # tasks one after another, after a launch that costs more than a small call's rotation:
+    # the calls take the one-thread kernels, with the reference's results.
+    code = (
+        textwrap.dedent(
+            """
+        import numpy as np, arrayrope as ar
+        from arrayrope.backends.cpu import _config, _parallel
+
+        def refuse(*args):
+            raise AssertionError("a parallel launch on one thread")
+
+        _parallel.launch_parallel = refuse
+        import arrayrope.backends.cpu as cpu
+        cpu.launch_parallel = refuse
+        assert not _config.threads_usable()
+        """
+        )
+        + _PARALLEL_CALLS
+        + textwrap.dedent(
+            """
+        reference = ar.rotate(x, backend="numpy"), axial.rotate(y, pos, backend="numpy")
+        for got, want in zip(expected, reference):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        """
+        )
+    )
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600, env=env)
+
+
 def test_threads_calling_at_once_on_the_workqueue_layer():
     # Numba's fallback threading layer aborts the process when two threads launch parallel
     # kernels at once (Dask's threaded scheduler does): arrayrope's launches take turns there.

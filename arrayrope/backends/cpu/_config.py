@@ -129,9 +129,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# Numba's thread count as the process started (NUMBA_NUM_THREADS, else the CPUs): where it is
+# one, a parallel kernel would run its tasks one after another on one thread, after a launch
+# that costs more than a small call's rotation.
+_ONE_THREAD = numba.config.NUMBA_NUM_THREADS == 1
+
+
 def threads_usable():
-    """Whether this process may launch a parallel kernel: False only in a child forked from a
-    process that had started Numba's OpenMP layer."""
+    """Whether this process may launch a parallel kernel: False where Numba has one thread, and
+    in a child forked from a process that had started Numba's OpenMP layer."""
+    if _ONE_THREAD:
+        return False
     if not _forked:
         return True
     try:
