@@ -433,3 +433,39 @@ def test_the_other_vector_width_writes_the_reference_bits():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "widths ok" in done.stdout
+
+
+def test_streaming_steps_store_with_streaming_stores_only():
+    # A streaming step's narrowing (float32 to bfloat16 or float16 bits) must not fold into a
+    # narrowing store (vpmovdw to memory): that has no streaming form, LLVM drops the streaming
+    # mark, and each line written partly by plain stores and partly by streaming ones costs a
+    # read and two partial writes (a 16-byte step in every bfloat16 row ran 30 times slower).
+    if not _config.STREAMING:
+        pytest.skip("streaming stores are x86-64's")
+    import re
+
+    from numba import njit
+
+    from arrayrope.backends.cpu._simd import row_step
+
+    steps = [row_step(half, w, True) for half in (True, False) for w in (16, 32, 64)]
+    # one function calling every step (row 64, element 48 of it, h = 40: every read inside)
+    calls = "".join(
+        f"    s{i}(x, at, o, at, h, cos, sin, zero, k, False)\n" for i in range(len(steps))
+    )
+    source = "def every_step(x, o, cos, sin):\n    at, h, k, zero = u(64), u(40), u(48), u(0)\n"
+    names = {f"s{i}": step for i, step in enumerate(steps)}
+    exec(source + calls, namespace := {"u": np.uint64, **names})
+    every_step = njit(cache=False)(namespace["every_step"])
+
+    # a memory destination (AT&T: the last operand), the stack's aside
+    store = re.compile(r"^\s+(v\w+)\s.*,\s*(-?\d*\(%(?!rsp|rbp)[^)]*\))\s*$")
+    dtypes = [np.uint16, np.float32] + ([np.int16] if _config.HARDWARE_F16 else [])
+    for bits_dtype in dtypes:
+        x, o = np.zeros(256, bits_dtype), np.zeros(256, bits_dtype)
+        table = np.zeros(256, np.float32)
+        every_step(x, o, table, table)
+        asm = every_step.inspect_asm(every_step.signatures[-1])
+        found = [m.group(1) for m in map(store.match, asm.splitlines()) if m]
+        assert found, bits_dtype
+        assert all(name.startswith("vmovnt") for name in found), (bits_dtype, set(found))

@@ -74,9 +74,18 @@ def span(typingctx, a, first, length):
 def _store_streaming(context, builder, array_type, array, index, value, align, nontemporal=True):
     """Store ``value`` (a vector) at ``array[index]`` with a streaming store, which writes the
     cache line without first reading it, or with a plain store where ``nontemporal`` is False.
-    ``align`` is what the address is known to have."""
+    ``align`` is what the address is known to have.
+
+    A streaming store takes its value from a register that LLVM cannot see into (an empty
+    inline assembly statement): given the narrowing that made it (float32 to bfloat16 bits,
+    say), LLVM would otherwise fold both into one narrowing store (vpmovdw to memory), which
+    has no streaming form, and drop the streaming mark. Plain stores into lines that streaming
+    stores write too make every such line a read and two partial writes."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
+    if nontemporal and X86 and isinstance(value.type, ir.VectorType):
+        opaque = ir.FunctionType(value.type, [value.type])
+        value = builder.asm(opaque, "", "=v,0", [value], side_effect=False)
     store = builder.store(value, address, align=align)
     if nontemporal:
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
