@@ -14,7 +14,7 @@ from numba.extending import overload
 
 from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
-from ._ladder import ladder
+from ._ladder import ladder, variant
 from ._runs import run_start
 from ._simd import address, copy_bytes, copy_element, store_fence
 
@@ -79,6 +79,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
         """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
 
     in_place_loop = direct_runs if in_place_runs is None else in_place_runs
+    # the variant's name (see _ladder.variant): what differs between the factory's calls
+    parts = (nontemporal, aligned, in_place_runs is None)
 
     @overload(direct_runs)
     def direct_runs_impl(
@@ -94,7 +96,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
                     o, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
                 )
 
-            return in_place
+            return variant(in_place, *parts)
 
         # float16 without F16C takes the general loop (direct_path refuses it): its vector
         # conversions would call runtime helpers that Numba's JIT may not link.
@@ -103,7 +105,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
             def nothing(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
                 return None
 
-            return nothing
+            return variant(nothing, *parts)
 
         # Each row's rotary part is a ladder (see _ladder), which Numba inlines into this
         # function: a helper compiled on its own would take its arrays, and table rows taken as
@@ -172,7 +174,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
             if nontemporal:
                 store_fence()
 
-        return runs
+        return variant(runs, *parts)
 
     return direct_runs
 

@@ -14,6 +14,18 @@ from numba.extending import overload
 from ._simd import row_step
 
 
+def variant(fn, *parts):
+    """``fn`` (a function a factory makes for Numba) with ``parts`` (the factory's arguments)
+    added to its qualified name, returned. Numba names compiled code by the qualified name, the
+    argument types and a counter that each process numbers in its own order of compilation;
+    kernels loaded from the disk cache and kernels compiled afresh share one JIT, which takes
+    two functions of one name for one and may run either's code for both. Two variants of a
+    factory's function differ in name only by their parts."""
+    words = ("x".join(map(str, p)) if isinstance(p, tuple) else str(p) for p in parts)
+    fn.__qualname__ = f"{fn.__qualname__}_{'_'.join(words)}"
+    return fn
+
+
 def ladder(half, widths, nontemporal, aligned=True):
     """A function ``rotate(x, xr, o, orow, n, cos, sin, t, inverse)`` for Numba: rotate the
     ``n`` rotary elements of the row of o at flat offset ``orow`` from the row of x at ``xr``
@@ -59,6 +71,6 @@ def ladder(half, widths, nontemporal, aligned=True):
             elif j < limit:
                 last(x, xr, o, orow, h, cos, sin, t, j, inverse)
 
-        return impl
+        return variant(impl, "half" if half else "pairs", widths, nontemporal, aligned)
 
     return rotate
