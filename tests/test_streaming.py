@@ -101,8 +101,9 @@ def _direct_case(dtype, style, rotary_dim, layout):
     positions both ways and real ones (exact tables, computed per call); the RoPE; the output's
     place in its buffer, (shift, gap) for ``layout``; and which way it should be stored with
     the vector steps on: the direct path (pair blocks, tail and rows on 16-byte boundaries),
-    "unaligned" (the same steps with plain stores, off that grid), or neither (float16 where
-    the CPU does not convert it)."""
+    "chunked" (rows on that grid, pair blocks off it: chunks on the grid), "unaligned" (the
+    direct path's steps with plain stores, rows off that grid), or neither (float16 where the
+    CPU does not convert it)."""
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 2, 37, 48)) * 3).astype(dtype)
     integer = rng.integers(0, 60_000, size=37)  # in the cache (past it: test_long_positions)
@@ -112,8 +113,11 @@ def _direct_case(dtype, style, rotary_dim, layout):
     place = {"aligned": (0, 0), "shifted": (1, 0), "strided": (0, 16 // item)}[layout]
     block = rotary_dim // 2 if style == "half" else rotary_dim
     steps = dtype != np.float16 or _config.HARDWARE_F16
-    direct = layout != "shifted" and (block * item) % 16 == 0 and steps
-    return x, calls, rope, place, "direct" if direct else "unaligned" if steps else None
+    on_grid = layout != "shifted"
+    kind = "chunked" if on_grid else "unaligned"
+    if on_grid and (block * item) % 16 == 0:
+        kind = "direct"
+    return x, calls, rope, place, kind if steps else None
 
 
 @pytest.mark.parametrize("mode", ["streaming", "vector"])
@@ -138,10 +142,57 @@ def test_direct_path_writes_what_the_general_loop_writes(
         buffer[:] = np.nan
         _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode, modes)
     direct = cpu.DIRECT if mode == "streaming" else cpu.VECTOR
+    chunked = cpu.CHUNKED if mode == "streaming" else cpu.CHUNKED_PLAIN
     other = cpu.SCRATCH if mode == "streaming" else 0
-    way = {"direct": direct, "unaligned": cpu.UNALIGNED, None: other}[kind]
+    way = {"direct": direct, "chunked": chunked, "unaligned": cpu.UNALIGNED, None: other}[kind]
     assert modes == [way] * 3
     np.testing.assert_array_equal(bits(x), bits(x_before))
+
+
+@pytest.mark.parametrize("mode", ["streaming", "vector"])
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@given(
+    rows=st.integers(1, 40),
+    heads=st.integers(1, 3),
+    grid_steps=st.integers(1, 40),
+    dtype=st.sampled_from(DTYPES),
+    style=st.sampled_from(["interleaved", "half"]),
+    data=st.data(),
+    inverse=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rows_on_the_grid_write_what_the_general_loop_writes(
+    mode, threads, rows, heads, grid_steps, dtype, style, data, inverse, seed
+):
+    # Rows on the 16-byte grid take the direct path whatever the grid of their pair blocks:
+    # off it, in chunks on the grid (CHUNKED, streaming; CHUNKED_PLAIN), each chunk across the
+    # pair blocks' edge or the rotary part's end read with masked loads. Every head size on
+    # the grid, every rotary_dim, rows and buffers on it anywhere: the general loop's bits.
+    if dtype == np.float16 and not _config.HARDWARE_F16:
+        pytest.skip("float16 takes the general loop where the CPU does not convert it")
+    item = np.dtype(dtype).itemsize
+    per = 16 // item  # elements in 16 bytes
+    d = per * grid_steps if per % 2 == 0 else 2 * grid_steps
+    rotary_dim = 2 * data.draw(st.integers(1, d // 2), label="pairs")
+    shift = per * data.draw(st.integers(0, 4), label="16-byte steps before the output")
+    gap = per * data.draw(st.sampled_from([0, 0, 1]), label="16-byte steps between rows")
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((heads, rows, d)) * 3).astype(dtype)
+    x_before = x.copy()
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    pos = rng.integers(0, 60_000, size=rows)
+    buffer, out = _window(x.shape, dtype, shift, gap)
+    modes = []
+    _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode, modes)
+    block = rotary_dim // 2 if style == "half" else rotary_dim
+    on_grid = (block * item) % 16 == 0 and ((d - rotary_dim) * item) % 16 == 0
+    streaming = mode == "streaming"
+    if on_grid:
+        assert modes == [cpu.DIRECT if streaming else cpu.VECTOR]
+    else:
+        assert modes == [cpu.CHUNKED if streaming else cpu.CHUNKED_PLAIN]
+    np.testing.assert_array_equal(bits(x), bits(x_before))
+    assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
@@ -154,7 +205,8 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
 ):
     # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
     # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
-    # every element outside the array left as they were.
+    # every element outside the array left as they were. (Chunks read partners that an earlier
+    # chunk of the row has written: in place takes the unaligned steps instead.)
     x, calls, rope, place, kind = _direct_case(dtype, style, rotary_dim, layout)
     modes = []
     for pos, inverse in calls:
@@ -171,7 +223,8 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
         mask = np.ones(buffer.size, bool)
         mask[np.unique(_offsets(buffer, y))] = False
         np.testing.assert_array_equal(words[mask], outside[mask])
-    assert modes == [{"direct": cpu.VECTOR, "unaligned": cpu.UNALIGNED, None: 0}[kind]] * 3
+    way = {"direct": cpu.VECTOR, "chunked": cpu.UNALIGNED, "unaligned": cpu.UNALIGNED, None: 0}
+    assert modes == [way[kind]] * 3
 
 
 @pytest.mark.parametrize("heads", [(3, 2), (1, 5), (4, 4)])
@@ -395,7 +448,8 @@ for stream_above in (0, 1 << 62):  # streaming stores, then plain ones (the dire
         for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):  # float64: float32's loop
             for style in ("interleaved", "half"):
                 # rotary dims whose pair blocks leave every mix of 64-, 32- and 16-byte steps
-                for rotary_dim in (128, 112, 96, 80, 64, 48, 32, 16):
+                # (and 50, 38, 20, 2: pair blocks off the grid, rows written in chunks on it)
+                for rotary_dim in (128, 112, 96, 80, 64, 48, 32, 16, 50, 38, 20, 2):
                     x = rng.standard_normal((2, 4, 9, 128)).astype(dtype)
                     rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim)
                     want = rope.rotate(x, 7, backend="numpy").view(np.uint8)
@@ -439,16 +493,18 @@ def test_streaming_steps_store_with_streaming_stores_only():
     # A streaming step's narrowing (float32 to bfloat16 or float16 bits) must not fold into a
     # narrowing store (vpmovdw to memory): that has no streaming form, LLVM drops the streaming
     # mark, and each line written partly by plain stores and partly by streaming ones costs a
-    # read and two partial writes (a 16-byte step in every bfloat16 row ran 30 times slower).
+    # read and two partial writes: tens of times the time of the streamed row.
     if not _config.STREAMING:
         pytest.skip("streaming stores are x86-64's")
     import re
 
     from numba import njit
 
-    from arrayrope.backends.cpu._simd import row_step
+    from arrayrope.backends.cpu._simd import chunk_step, row_step
 
     steps = [row_step(half, w, True) for half in (True, False) for w in (16, 32, 64)]
+    steps += [chunk_step(True, kind, w, True) for kind in ("first", "second") for w in (16, 64)]
+    steps += [chunk_step(half, "mixed", 16, True) for half in (True, False)]
     # one function calling every step (row 64, element 48 of it, h = 40: every read inside)
     calls = "".join(
         f"    s{i}(x, at, o, at, h, cos, sin, zero, k, False)\n" for i in range(len(steps))

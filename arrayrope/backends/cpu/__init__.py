@@ -35,7 +35,16 @@ from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._fused_launch import launch as launch_fused
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
 from ._parallel import launch_parallel, scratch_blocks
-from ._rows import DIRECT, FILLED_KERNELS, KERNELS, SCRATCH, UNALIGNED, VECTOR
+from ._rows import (
+    CHUNKED,
+    CHUNKED_PLAIN,
+    DIRECT,
+    FILLED_KERNELS,
+    KERNELS,
+    SCRATCH,
+    UNALIGNED,
+    VECTOR,
+)
 from ._rows_plan import rows_plan
 
 _disk_cache.guard(
@@ -50,7 +59,8 @@ _F16 = np.dtype(np.float16)
 
 def launch(spec, operands, cos, sin, inverse):
     """Rotate one or two operands (q and k) in one kernel call: the general strategy. Returns
-    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR or UNALIGNED).
+    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR, UNALIGNED,
+    CHUNKED or CHUNKED_PLAIN).
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), addressable
     (see ``_arrays.addressable``), ``out is x`` for in place; idx int64 of shape (L axes of
@@ -85,8 +95,8 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     one axis. Each task (one per thread) fills the rows of a chunk of positions into a buffer
     of at most ``_FILL_BYTES`` and rotates every row at those positions before the next chunk
     (see :func:`_chunked`); a task that starts or ends inside a chunk fills its part of it.
-    Returns the way results were stored (DIRECT or VECTOR), or 0, with nothing written, where
-    the direct path cannot take the operands."""
+    Returns the way results were stored (DIRECT, VECTOR, CHUNKED or CHUNKED_PLAIN), or 0, with
+    nothing written, where the direct path cannot take the operands."""
     parallel = _parallel_launch(operands)
     tasks = numba.get_num_threads() if parallel else 1  # one per thread: a buffer each
     row_bytes = 2 * inv_freq.size * dtype.itemsize
@@ -94,9 +104,9 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     rows = min(rows, max(idx.size // idx.shape[-1] for _, _, idx in operands))
     scratch = np.empty((tasks, 2, rows, inv_freq.size), dtype)
     segments = spec.segments
-    if not STREAMING or not direct_path(spec, operands, segments, scratch[0, 0], scratch[0, 1]):
+    stream = _filled_stream(spec, operands, segments, scratch[0, 0], scratch[0, 1])
+    if not stream:
         return 0
-    stream = DIRECT if _streams(operands) else VECTOR
     parts = [part for operand in operands for part in _chunked(operand, rows)]
     for at in range(0, len(parts), 2):
         pair = parts[at : at + 2]
@@ -105,6 +115,19 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
         args += (spec.rotary_dim, pair[0][0].shape[-1], spec.half_style, inverse, scale)
         _run(FILLED_KERNELS[stream], args, scratch, _rows_of(pair), parallel)
     return stream
+
+
+def _filled_stream(spec, operands, segments, cos, sin):
+    """How :func:`launch_filled` stores results: DIRECT, VECTOR, CHUNKED or CHUNKED_PLAIN (as
+    :func:`_stream` would), or 0 where none of those takes the operands."""
+    if not STREAMING:
+        return 0
+    large = _streams(operands)
+    if direct_path(spec, operands, segments, cos, sin):
+        return DIRECT if large else VECTOR
+    if vector_steps(spec, operands, segments, cos, sin) and _rows_on_grid(operands):
+        return CHUNKED if large else CHUNKED_PLAIN
+    return 0
 
 
 # Bytes of a task's buffer of filled rows (see launch_filled). Its rows are a chunk's positions,
@@ -164,14 +187,18 @@ def _operand(arrays):
 
 
 def _stream(spec, operands, segments, cos, sin):
-    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT, VECTOR or
-    UNALIGNED."""
+    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT, VECTOR, UNALIGNED,
+    CHUNKED or CHUNKED_PLAIN."""
     if not STREAMING:
         return 0
     large = _streams(operands)
     if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
-    if _config.CONFIG.vector_rows and vector_steps(spec, operands, segments, cos, sin):
+    steps = vector_steps(spec, operands, segments, cos, sin)
+    if (large or _config.CONFIG.vector_rows) and steps and _rows_on_grid(operands):
+        # rows on the grid, pair blocks off it: chunks on the grid (see _direct), which stream
+        return CHUNKED if large else CHUNKED_PLAIN
+    if _config.CONFIG.vector_rows and steps:
         # rows off the 16-byte grid: the vector steps with plain stores, which beat the general
         # loop's per-element pairs streamed out of a scratch block
         return UNALIGNED
@@ -230,6 +257,17 @@ def vector_steps(spec, operands, segments, cos, sin):
     if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
         return False
     return cos.strides[-1] == cos.itemsize and sin.strides == cos.strides
+
+
+def _rows_on_grid(operands):
+    """Whether every output row starts on a 16-byte boundary and holds whole 16 bytes, with
+    no output written in place (CHUNKED streams whole rows)."""
+    for x, out, _ in operands:
+        if out is x or (x.shape[-1] * x.itemsize) % 16 or _arrays.pointer(out, NUMPY) % 16:
+            return False
+        if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):
+            return False
+    return True
 
 
 def direct_path(spec, operands, segments, cos, sin):

@@ -47,7 +47,8 @@ class Config:
     # may still be in cache when they are used next, which streaming would forfeit.
     stream_above: int
     # Aligned outputs below stream_above, arrays rotated in place, and outputs of any size off
-    # the 16-byte grid take the direct path's vector loop with plain stores; off, they take the
+    # the 16-byte grid take the direct path's vector loop with plain stores (outputs whose rows
+    # are on the grid and pair blocks off it, in chunks on the grid); off, they take the
     # general row loop (positions past the cache take the direct path either way: see
     # launch_filled).
     vector_rows: bool

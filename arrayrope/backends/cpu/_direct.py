@@ -6,6 +6,12 @@ Smaller outputs, and arrays rotated in place, take the same loop with plain stor
 address must be 16-byte aligned (the launcher checks: see ``direct_path``); outputs off that
 grid take the same steps with plain stores that assume no alignment (UNALIGNED: see
 ``vector_steps``), and the rest (multi-axis tables, float16 without F16C) the general row loop.
+
+Outputs whose rows are on that grid but whose pair blocks are not (rotary_dim 50 at d = 128,
+say), not in place, are written in chunks on the grid instead (CHUNKED, streaming, and
+CHUNKED_PLAIN): each chunk of a row computed whole in registers (see _ladder.chunk_walk), so
+that even large outputs stream. Plain stores would first read every line they write, a third
+more memory traffic.
 """
 
 import numpy as np
@@ -14,7 +20,7 @@ from numba.extending import overload
 
 from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
-from ._ladder import ladder, variant
+from ._ladder import chunk_walk, ladder, variant
 from ._runs import run_start
 from ._simd import address, copy_bytes, copy_element, store_fence
 
@@ -39,7 +45,7 @@ def _same_impl(x, o):
     return lambda x, o: address(x, 0) == address(o, 0)
 
 
-def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
+def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=False):
     """The direct path's loop over rows first..stop-1 of one operand (``g``: its geometry
     block), rotated straight into o with streaming stores or (``nontemporal`` False) plain ones:
     a function ``runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv,
@@ -56,6 +62,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
     ``aligned`` False (plain stores only) takes rows, pair blocks and tails anywhere on the
     element grid: its stores assume no alignment, and what a row has left under 16 bytes goes
     one pair (one element of the tail) at a time.
+
+    ``chunked`` (rows on the 16-byte grid, pair blocks anywhere on the element grid): each row
+    is written in chunks on the grid (see _ladder.chunk_walk), the tail from the first
+    boundary past the rotary part on; results stream where ``nontemporal``.
     """
     if aligned:
         # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows
@@ -68,10 +78,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
         # grows past what LLVM inlines into the row loop, and a call per row costs more than
         # the pairs it saves.
         widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
-    ladders = {
-        wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
-        for wide, w in ((True, widths), (False, narrow_widths))
-    }
+    if chunked:  # every dtype: chunks of VECTOR_BYTES, then 16 (see chunk_walk)
+        walks = tuple(chunk_walk(half, (VECTOR_BYTES, 16), nontemporal) for half in (True, False))
+        ladders = {True: walks, False: walks}
+    else:
+        ladders = {
+            wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
+            for wide, w in ((True, widths), (False, narrow_widths))
+        }
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
@@ -80,7 +94,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
 
     in_place_loop = direct_runs if in_place_runs is None else in_place_runs
     # the variant's name (see _ladder.variant): what differs between the factory's calls
-    parts = (nontemporal, aligned, in_place_runs is None)
+    parts = (nontemporal, aligned, chunked, in_place_runs is None)
 
     @overload(direct_runs)
     def direct_runs_impl(
@@ -116,6 +130,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
         # the same function: a function Numba compiles on its own is optimized and emitted by
         # LLVM once more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
+        per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
             if first >= stop:
@@ -126,6 +141,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
             width = rotary_dim if _same(x, o) else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             n = np.uint64(rotary_dim)
+            # where the tail's copy starts (chunked: past the walk's last chunk, on the grid)
+            tail_at = (n + per - np.uint64(1)) // per * per if chunked else n
             held, held_rows = np.int64(-1), np.int64(0)  # the chunk ``source`` holds
             row_at = first
             while row_at < stop:
@@ -160,7 +177,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
                             for r in range(lo, hi):
                                 xr = np.uint64(xb + r * sx)
                                 orow = np.uint64(ob + r * so)
-                                t = n
+                                t = tail_at
                                 while t + step <= end:
                                     copy_step(x, xr + t, o, orow + t)
                                     t += step
@@ -182,3 +199,5 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True):
 direct_runs_plain = _direct_runs_for(False)
 direct_runs_streaming = _direct_runs_for(True, direct_runs_plain)
 direct_runs_unaligned = _direct_runs_for(False, aligned=False)
+direct_runs_chunked = _direct_runs_for(True, direct_runs_unaligned, chunked=True)
+direct_runs_chunked_plain = _direct_runs_for(False, direct_runs_unaligned, chunked=True)

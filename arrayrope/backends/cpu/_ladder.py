@@ -11,7 +11,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._simd import row_step
+from ._simd import chunk_step, row_step
 
 
 def variant(fn, *parts):
@@ -72,5 +72,67 @@ def ladder(half, widths, nontemporal, aligned=True):
                 last(x, xr, o, orow, h, cos, sin, t, j, inverse)
 
         return variant(impl, "half" if half else "pairs", widths, nontemporal, aligned)
+
+    return rotate
+
+
+def chunk_walk(half, widths, nontemporal):
+    """A function with a ladder's arguments for Numba that writes the row of o at ``orow``
+    (16-byte aligned) in chunks on the 16-byte grid whatever the grid of its pair blocks, up to
+    the first boundary at or past the rotary part's end (elements past it copied from x). Each
+    chunk takes the step for what it holds (see _simd.chunk_step): steps of ``widths[0]``
+    bytes where all of its elements have their partners on one side (plain loads), else of 16
+    bytes (``widths[1]``); the 16 bytes across the pair blocks' edge h and across the rotary
+    part's end take masked loads and compute both sides. In the half layout that is the walk
+    0..h, then h..n, then the end."""
+    wide, narrow = widths
+    if narrow != 16:
+        raise ValueError(f"a chunk walk ends in 16-byte steps, got widths {widths}")
+    if half:
+        first_w, second_w = (chunk_step(True, k, wide, nontemporal) for k in ("first", "second"))
+        first_16, second_16 = (chunk_step(True, k, 16, nontemporal) for k in ("first", "second"))
+    else:  # one pair step for every chunk inside the rotary part
+        first_w, first_16 = row_step(False, wide, nontemporal), row_step(False, 16, nontemporal)
+        second_w, second_16 = first_w, first_16
+    mixed_16 = chunk_step(half, "mixed", 16, nontemporal)
+
+    def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
+        """Rotate one row's rotary part in aligned chunks (see :func:`chunk_walk`)."""
+
+    # Inlined in Numba's IR: compiled on its own, LLVM calls it once per row, with every
+    # array's fields as arguments, at a quarter of the loop's time. One loop per kind of chunk
+    # rather than one loop that branches on the kind: LLVM merges the branches' stores into
+    # one, and the merged store loses its streaming mark.
+    @overload(rotate, inline="always")
+    def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+        kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
+        item = o.dtype.bitwidth // 8
+        w, per = kind(wide // item), kind(narrow // item)
+        one, two = kind(1), kind(2)
+
+        def impl(x, xr, o, orow, n, cos, sin, t, inverse):
+            h = n // two
+            edge = h if half else n - n  # interleaved: no edge inside the rotary part
+            up = (n + per - one) // per * per
+            k = n - n
+            while k + w <= edge:
+                first_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
+            while k + per <= edge:
+                first_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            if k < edge:
+                mixed_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            while k + w <= n:
+                second_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
+            while k + per <= n:
+                second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            if k < up:
+                mixed_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+
+        return variant(impl, "chunks", "half" if half else "pairs", widths, nontemporal)
 
     return rotate

@@ -17,12 +17,18 @@ from numba.extending import overload
 
 from ._config import DISK_CACHE
 from ._convert import load, store
-from ._direct import direct_runs_plain, direct_runs_streaming, direct_runs_unaligned
+from ._direct import (
+    direct_runs_chunked,
+    direct_runs_chunked_plain,
+    direct_runs_plain,
+    direct_runs_streaming,
+    direct_runs_unaligned,
+)
 from ._runs import run_start
 from ._simd import address, store_fence, stream_line
 
 # how a launch stores results (see launch); 0: plain stores
-SCRATCH, DIRECT, VECTOR, UNALIGNED = 1, 2, 3, 4
+SCRATCH, DIRECT, VECTOR, UNALIGNED, CHUNKED, CHUNKED_PLAIN = 1, 2, 3, 4, 5, 6
 # Rows rotated into an in-cache scratch block before each streaming copy.
 _STREAM_BLOCK_BYTES = 8192
 
@@ -300,6 +306,32 @@ def rotate_range_unaligned(
     direct_runs_unaligned(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
 
 
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_chunked(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
+    stop,
+):  # fmt: skip
+    """The direct path's rows streamed in chunks on the 16-byte grid (CHUNKED: see _direct)."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    direct_runs_chunked(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+    direct_runs_chunked(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_chunked_plain(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
+    stop,
+):  # fmt: skip
+    """CHUNKED with plain stores."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    direct_runs_chunked_plain(
+        x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None
+    )
+    direct_runs_chunked_plain(
+        x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None
+    )
+
+
 # The direct path with rows from the level tables (see launch_filled): idx holds positions, and
 # the arguments in the tables' and copy_tail's places are the level tables, the frequencies and
 # the rows' scale; each task's scratch block is a buffer of rows (see launch_filled).
@@ -329,7 +361,38 @@ def rotate_range_filled_vector(
     direct_runs_plain(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
 
 
-FILLED_KERNELS = {DIRECT: rotate_range_filled_direct, VECTOR: rotate_range_filled_vector}
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_filled_chunked(
+    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
+    stop,
+):  # fmt: skip
+    """CHUNKED, rows filled per position."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    src = (levels, inv_freq, scale, buf)
+    c, s = buf[0], buf[1]
+    direct_runs_chunked(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+    direct_runs_chunked(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_filled_chunked_plain(
+    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
+    stop,
+):  # fmt: skip
+    """CHUNKED_PLAIN, rows filled per position."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    src = (levels, inv_freq, scale, buf)
+    c, s = buf[0], buf[1]
+    direct_runs_chunked_plain(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+    direct_runs_chunked_plain(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+
+FILLED_KERNELS = {
+    DIRECT: rotate_range_filled_direct,
+    VECTOR: rotate_range_filled_vector,
+    CHUNKED: rotate_range_filled_chunked,
+    CHUNKED_PLAIN: rotate_range_filled_chunked_plain,
+}
 
 # By ``stream`` (see launch): the one-thread kernel
 KERNELS = {
@@ -338,4 +401,6 @@ KERNELS = {
     DIRECT: rotate_range_direct,
     VECTOR: rotate_range_vector,
     UNALIGNED: rotate_range_unaligned,
+    CHUNKED: rotate_range_chunked,
+    CHUNKED_PLAIN: rotate_range_chunked_plain,
 }

@@ -1,17 +1,19 @@
 """The hand-written LLVM IR of the CPU kernels, behind a few intrinsics.
 
-Vector steps rotate the pairs of 16 or 32 bytes of a row at a time (or one pair): loads
-widened to the compute type, the rotation, the store rounded to the storage type, with plain or
-streaming (non-temporal) stores. The rest are single instructions LLVM does not reach from
-Numba: row views typed as contiguous, the flat view of an array's memory, addresses, 64-byte
-streaming copies, the store fence.
+Vector steps rotate the pairs of 16 or 32 bytes of a row at a time (or one pair): loads widened
+to the compute type, the rotation, the store rounded to the storage type, with plain or
+streaming (non-temporal) stores. Chunk steps write 16 to 64 bytes of a row on the 16-byte grid
+whatever the grid of its pair blocks, with masked loads where a chunk crosses an edge. The rest
+are single instructions LLVM does not reach from Numba: row views typed as contiguous, the flat
+view of an array's memory, addresses, 64-byte streaming copies, the store fence.
 
 Every step addresses its arrays by flat element offsets from their first element; the caller
-guarantees the offsets are in bounds.
+guarantees the offsets are in bounds (a chunk step's masked-off lanes aside).
 """
 
 import platform
 
+import llvmlite.binding as ll
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -130,20 +132,54 @@ def _lanes_of(array_type, nbytes):
     return 1 if nbytes is None else nbytes // (array_type.dtype.bitwidth // 8)
 
 
-def _load_lanes(context, builder, array_type, array, index, lanes):
+def _load_lanes(context, builder, array_type, array, index, lanes, mask=None):
     """``lanes`` elements of a 1-D unit-stride array from ``index`` as a vector of the compute
-    type (float64 for float64, float32 otherwise), converted as _convert.load converts one."""
+    type (float64 for float64, float32 otherwise), converted as _convert.load converts one.
+    With a ``mask`` (a vector of i1), only the lanes it sets are read (the others are zero):
+    their addresses may lie outside the array."""
+    return _widen(
+        builder,
+        array_type.dtype,
+        _load_bits(context, builder, array_type, array, index, lanes, mask),
+    )
+
+
+def _load_bits(context, builder, array_type, array, index, lanes, mask=None):
+    """The stored elements :func:`_load_lanes` converts: a vector of float32 or float64, or of
+    i16 for the 2-byte types."""
     data = context.make_array(array_type)(context, builder, array).data
-    address = builder.gep(data, [index])
     dtype = array_type.dtype
     if dtype in (types.float32, types.float64):
-        vector = ir.VectorType(context.get_value_type(dtype), lanes)
-        return builder.load(
-            builder.bitcast(address, vector.as_pointer()), align=dtype.bitwidth // 8
-        )
-    bits = builder.load(
-        builder.bitcast(address, ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2
-    )
+        element = context.get_value_type(dtype)
+    else:
+        element = ir.IntType(16)
+    vector = ir.VectorType(element, lanes)
+    address = builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+    align = dtype.bitwidth // 8
+    if mask is None:
+        return builder.load(address, align=align)
+    return _masked_load(builder, address, vector, align, mask)
+
+
+def _masked_load(builder, address, vector, align, mask):
+    """llvm.masked.load of ``vector`` at ``address``: the lanes ``mask`` leaves out are neither
+    read (the CPU faults on none of their addresses) nor kept (zero)."""
+    element = {ir.FloatType: "f32", ir.DoubleType: "f64"}.get(type(vector.element), "i16")
+    pointer = "p0" if ll.llvm_version_info >= (17,) else f"p0v{vector.count}{element}"
+    name = f"llvm.masked.load.v{vector.count}{element}.{pointer}"
+    function = builder.module.globals.get(name)
+    if function is None:
+        kind = ir.FunctionType(vector, [address.type, ir.IntType(32), mask.type, vector])
+        function = ir.Function(builder.module, kind, name)
+    zero = ir.Constant(vector, None)
+    return builder.call(function, [address, ir.IntType(32)(align), mask, zero])
+
+
+def _widen(builder, dtype, bits):
+    """The stored elements ``bits`` (see :func:`_load_bits`) as the compute type."""
+    if dtype in (types.float32, types.float64):
+        return bits
+    lanes = bits.type.count
     floats = ir.VectorType(ir.FloatType(), lanes)
     if dtype == types.int16:  # float16 bits
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), floats)
@@ -155,21 +191,27 @@ def _stream_lanes(context, builder, array_type, array, index, value, nontemporal
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned; only element-aligned
     where ``aligned`` is False), rounded once to the array's storage type as _convert.store
     rounds, with streaming stores (plain ones where ``nontemporal`` is False)."""
+    value = _narrow(builder, array_type.dtype, value)
+    align = 16 if aligned else array_type.dtype.bitwidth // 8
+    _store_streaming(context, builder, array_type, array, index, value, align, nontemporal)
+
+
+def _narrow(builder, dtype, value):
+    """The compute-type vector ``value`` rounded once to ``dtype``'s stored elements (as
+    :func:`_load_bits` reads them)."""
     lanes = value.type.count
-    dtype = array_type.dtype
     if dtype == types.int16:  # float16 bits, rounded half to even
-        value = builder.bitcast(
+        return builder.bitcast(
             builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    elif dtype == types.uint16:  # bfloat16 bits
+    if dtype == types.uint16:  # bfloat16 bits
         rounded = _bf16_round_lanes(builder, value)
-        value = builder.trunc(
+        return builder.trunc(
             builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    align = 16 if aligned else dtype.bitwidth // 8
-    _store_streaming(context, builder, array_type, array, index, value, align, nontemporal)
+    return value
 
 
 def _bf16_round_lanes(builder, value):
@@ -279,32 +321,127 @@ def _pair_step(nbytes, nontemporal, aligned=True):
 def _interleaved_codegen(lanes, nontemporal, aligned):
     """The pair step in ``lanes`` elements: each element times its pair's cos, plus its
     partner times its pair's (signed) sin."""
-    i32 = ir.IntType(32)
-    twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
-    swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
-    # even lanes from the difference, odd lanes from the sum
-    pick = ir.Constant(
-        ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
-    )
 
     def codegen(context, builder, signature, args):
         x_, xa_, o_, oa_, cos_, sin_, t_, inverse_ = args
         tys = signature.args
         v = _load_lanes(context, builder, tys[0], x_, xa_, lanes)
         c = _load_lanes(context, builder, tys[4], cos_, t_, lanes // 2)
-        s = _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2)
-        s = _signed_sin(builder, s, inverse_)
-        c = builder.shuffle_vector(c, c, twice)
-        s = builder.shuffle_vector(s, s, twice)
-        scaled = builder.fmul(v, c)  # (a c, b c)
-        crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
-        result = builder.shuffle_vector(
-            builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
+        s = _signed_sin(
+            builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes // 2), inverse_
         )
+        result = _interleaved(builder, v, c, s)
         _stream_lanes(context, builder, tys[2], o_, oa_, result, nontemporal, aligned)
         return context.get_dummy_value()
 
     return codegen
+
+
+def _interleaved(builder, v, c, s):
+    """The interleaved rotation of the pairs of ``v`` by one entry of ``c`` and (signed) ``s``
+    per pair: (a c - b s, b c + a s) for each pair (a, b)."""
+    i32 = ir.IntType(32)
+    lanes = v.type.count
+    twice = ir.Constant(ir.VectorType(i32, lanes), [i32(k // 2) for k in range(lanes)])
+    swap = ir.Constant(ir.VectorType(i32, lanes), [i32(k ^ 1) for k in range(lanes)])
+    # even lanes from the difference, odd lanes from the sum
+    pick = ir.Constant(
+        ir.VectorType(i32, lanes), [i32(k if k % 2 == 0 else lanes + k) for k in range(lanes)]
+    )
+    c = builder.shuffle_vector(c, c, twice)
+    s = builder.shuffle_vector(s, s, twice)
+    scaled = builder.fmul(v, c)  # (a c, b c)
+    crossed = builder.fmul(builder.shuffle_vector(v, v, swap), s)  # (b s, a s)
+    return builder.shuffle_vector(
+        builder.fsub(scaled, crossed), builder.fadd(scaled, crossed), pick
+    )
+
+
+def chunk_step(half, kind, nbytes, nontemporal):
+    """An intrinsic ``step(x, xr, o, orow, h, cos, sin, t, k, inverse)`` (row_step's arguments)
+    that writes the ``nbytes`` of a row of o from its element k on, at orow + k on the 16-byte
+    grid, whatever the grid of the row's pair blocks: x's row at xr, the table row at t, h
+    pairs (2h rotary elements). ``kind`` says which elements the chunk holds: "first" (all in
+    the first half of the half layout's pairs: j with partner j + h), "second" (all in its
+    second half: j with partner j - h), or "mixed" (any, and elements past 2h, which get x's
+    bits). A mixed chunk reads only what its elements need (masked loads), so its other
+    lanes' addresses may lie outside the arrays. (Interleaved chunks inside the rotary part
+    take row_step.) The arithmetic is _half_step's and _interleaved's, element for element."""
+    if kind not in ("first", "second", "mixed") or (not half and kind != "mixed"):
+        raise ValueError(f"no {kind!r} chunk for the {'half' if half else 'interleaved'} style")
+
+    @intrinsic
+    def step(typingctx, x, xr, o, orow, h, cos, sin, t, k, inverse):
+        lanes = _lanes_of(o, nbytes)
+
+        def codegen(context, builder, signature, args):
+            x_, xr_, o_, orow_, h_, cos_, sin_, t_, k_, inverse_ = args
+            tys = signature.args
+
+            def load(which, array, at, count, mask=None):
+                return _load_lanes(context, builder, tys[which], array, at, count, mask)
+
+            xa = builder.add(xr_, k_)
+            bits = _load_bits(context, builder, tys[0], x_, xa, lanes)
+            xk = _widen(builder, tys[0].dtype, bits)
+            index = _from(builder, k_, lanes)
+            rotary = builder.icmp_unsigned(
+                "<", index, _broadcast(builder, builder.shl(h_, h_.type(1)), lanes)
+            )
+            if half:
+                first = builder.icmp_unsigned("<", index, _broadcast(builder, h_, lanes))
+                second = builder.and_(builder.not_(first), rotary)
+                mixed = kind == "mixed"
+                if kind != "second":  # x[j] c[j] - x[j + h] s[j]
+                    at = builder.add(t_, k_)
+                    mask = first if mixed else None
+                    partner = load(0, x_, builder.add(xa, h_), lanes, mask)
+                    c = load(5, cos_, at, lanes, mask)
+                    s = _signed_sin(builder, load(6, sin_, at, lanes, mask), inverse_)
+                    result = builder.fsub(builder.fmul(xk, c), builder.fmul(partner, s))
+                if kind != "first":  # x[j] c[j - h] + x[j - h] s[j - h]
+                    at = builder.sub(builder.add(t_, k_), h_)
+                    mask = second if mixed else None
+                    partner = load(0, x_, builder.sub(xa, h_), lanes, mask)
+                    c = load(5, cos_, at, lanes, mask)
+                    s = _signed_sin(builder, load(6, sin_, at, lanes, mask), inverse_)
+                    later = builder.fadd(builder.fmul(xk, c), builder.fmul(partner, s))
+                    result = builder.select(first, result, later) if mixed else later
+            else:
+                pairs = lanes // 2
+                half_k = builder.lshr(k_, k_.type(1))
+                mask = builder.icmp_unsigned(
+                    "<", _from(builder, half_k, pairs), _broadcast(builder, h_, pairs)
+                )
+                at = builder.add(t_, half_k)
+                c = load(5, cos_, at, pairs, mask)
+                s = _signed_sin(builder, load(6, sin_, at, pairs, mask), inverse_)
+                result = _interleaved(builder, xk, c, s)
+            stored = _narrow(builder, tys[2].dtype, result)
+            if kind == "mixed":  # elements past the rotary part: x's bits
+                stored = builder.select(rotary, stored, bits)
+            oa = builder.add(orow_, k_)
+            _store_streaming(context, builder, tys[2], o_, oa, stored, 16, nontemporal)
+            return context.get_dummy_value()
+
+        return types.void(x, xr, o, orow, h, cos, sin, t, k, inverse), codegen
+
+    return step
+
+
+def _broadcast(builder, value, lanes):
+    """The scalar ``value`` in every lane of a vector."""
+    vector = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(vector, None), value, ir.IntType(32)(0))
+    return builder.shuffle_vector(
+        one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    )
+
+
+def _from(builder, start, lanes):
+    """(start, start + 1, ..., start + lanes - 1) as a vector."""
+    steps = ir.Constant(ir.VectorType(start.type, lanes), list(range(lanes)))
+    return builder.add(_broadcast(builder, start, lanes), steps)
 
 
 def _bfloat16_codegen(nbytes, nontemporal, aligned):
