@@ -9,7 +9,8 @@ fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in f
 fractions at d = 128 in float16, bfloat16 and float64; and at d = 128, rotary 1/2, the other
 ways of storing results (a new result, in place, rotate_qk with a quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
-rotary's at the same d, dtype and style (above 1: slower).
+rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
+turns with it as the copies do.
 
 Each case runs at two sizes (see :func:`sizes`): x twice the last-level cache, where the copy
 and the rotation both stream memory, and x an eighth of it, where both run from the cache. In
@@ -71,22 +72,26 @@ def matrix(nbytes, repeats):
         for style in ("interleaved", "half"):
             cases.append((128, 64, style, np.float32, mode))
             cases.append((128, 128, style, np.float32, mode))
-    rows, full = [], {}
+    rows = []
     for d, rotary_dim, style, dtype, mode in cases:
         length = max(1, nbytes // (32 * d * np.dtype(dtype).itemsize))
         x = np.random.default_rng(0).standard_normal((1, 32, length, d)).astype(dtype)
         out = np.empty_like(x)
         k = x[:, :8].copy()
         rope = ar.RoPE(d, rotary_dim=rotary_dim, style=style)
+        full = ar.RoPE(d, style=style)
         s, t = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
         ceilings = [lambda: np.copyto(out, x), lambda: threaded_copy(s, t)]
         k_out = np.empty_like(k)
-        ops = {
-            "out=": lambda: rope.rotate(x, out=out),
-            "new": lambda: rope.rotate(x),
-            "in place": lambda: rope.rotate(out, out=out),
-            "rotate_qk": lambda: rope.rotate_qk(x, k, out=(out, k_out)),
-        }
+
+        def ops(r):
+            return {
+                "out=": lambda: r.rotate(x, out=out),
+                "new": lambda: r.rotate(x),
+                "in place": lambda: r.rotate(out, out=out),
+                "rotate_qk": lambda: r.rotate_qk(x, k, out=(out, k_out)),
+            }[mode]
+
         if mode == "new":
             ceilings = [lambda: x.copy()]  # which allocates its result too
         elif mode == "rotate_qk":  # q's bytes and k's
@@ -95,15 +100,13 @@ def matrix(nbytes, repeats):
                 lambda: (np.copyto(out, x), np.copyto(k_out, k)),
                 lambda: (threaded_copy(s, t), threaded_copy(ks, kt)),
             ]
-        seconds, _, ratio, _ = paired(ops[mode], ceilings, repeats)
-        key = (d, style, np.dtype(dtype).name, mode)
-        if rotary_dim == d:
-            full[key] = seconds
+        # full rotary on the same bytes takes turns with the case and the copies, its time
+        # over the case's taken round by round as the ceiling's is
+        against = ops(full) if rotary_dim < d else None
+        seconds, _, ratio, over_full = paired(ops(rope), ceilings, repeats, against)
+        vs_full = 1.0 if over_full is None else 1 / over_full
         name = np.dtype(dtype).name
-        rows.append([d, rotary_dim, style, name, mode, length, seconds * 1e3, ratio, key])
-    for row in rows:
-        base = full.get(row[-1])
-        row[-1] = None if base is None else row[6] / 1e3 / base
+        rows.append((d, rotary_dim, style, name, mode, length, seconds * 1e3, ratio, vs_full))
     return [tuple(row) for row in rows]
 
 
