@@ -265,6 +265,26 @@ def test_filled_route_takes_grouped_heads_temporaries_and_positions_per_head(rng
     assert_matches(by_head, oracle(q, per_head, style="half", rotary_dim=8), q)
 
 
+def test_filled_rows_follow_memory_order():
+    # Heads outer in memory ((B, H, T, d)): chunks of positions, each chunk's rows at every head
+    # before the next chunk, so that a position's row is filled once for all heads. Heads inner
+    # ((T, H, d), (B, T, H, d)): the operand as it is, each token's heads one run of rows, its
+    # row filled once for them (reordered, every head's pass strode through all the tokens).
+    x = np.zeros((2, 4, 64, 16), np.float32)
+    operand = (x, np.zeros_like(x), np.zeros((2, 1, 64, 1), np.int64))
+    parts = cpu._chunked(operand, 16)
+    assert len(parts) == 1 and parts[0] is not operand
+    for shape, positions in (((64, 4, 16), (64, 1, 1)), ((2, 64, 4, 16), (2, 64, 1, 1))):
+        x = np.zeros(shape, np.float32)
+        operand = (x, np.zeros_like(x), np.zeros(positions, np.int64))
+        parts = cpu._chunked(operand, 16)
+        assert len(parts) == 1 and parts[0] is operand
+    # heads inner in x but outer in out: reordered
+    x = np.zeros((64, 4, 16), np.float32)
+    out = np.zeros((4, 64, 16), np.float32).transpose(1, 0, 2)
+    assert cpu._chunked((x, out, np.zeros((64, 1, 1), np.int64)), 16)[0][0] is not x
+
+
 @pytest.mark.usefixtures("small_blocks")
 def test_blocks_match_one_call_bit_for_bit(monkeypatch, rng):
     rope = ar.RoPE(64, style="half", max_positions=100)

@@ -145,12 +145,14 @@ def _chunked(operand, rows):
     chunk's rows at every index of the axes along which the positions broadcast (the heads,
     mostly) before the next chunk; then the rows past the last whole chunk, the broadcast axes
     innermost. Each position's row is then filled once, and each run of rows is read and
-    written in address order."""
+    written in address order. Where the broadcast axes are the inner ones in memory already
+    (tokens by heads: (T, H, d), (B, T, H, d)), the operand as it is: each position's rows are
+    one run, its row filled once for them."""
     x, out, idx = operand
     lead = range(x.ndim - 1)
     shared = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
     varying = [a for a in lead if a not in shared]
-    if not shared or not varying:
+    if not shared or not varying or _inner(shared, varying, x) and _inner(shared, varying, out):
         return [operand]
     axis = max(varying, key=lambda a: (x.shape[a], a))
     chunks = x.shape[axis] // rows if rows > 1 else 0
@@ -167,6 +169,13 @@ def _chunked(operand, rows):
         order = varying + shared + [x.ndim - 1]
         parts.append(_operand([a[_along(axis, cut, None)].transpose(order) for a in arrays]))
     return parts
+
+
+def _inner(shared, varying, a):
+    """Whether every axis of ``shared`` steps through less of ``a``'s memory than every axis of
+    ``varying`` with more than one index."""
+    steps = [abs(a.strides[v]) for v in varying if a.shape[v] > 1]
+    return not steps or max(abs(a.strides[v]) for v in shared) < min(steps)
 
 
 def _along(axis, start, stop):
