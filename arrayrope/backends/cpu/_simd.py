@@ -78,19 +78,30 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
     cache line without first reading it, or with a plain store where ``nontemporal`` is False.
     ``align`` is what the address is known to have.
 
-    A streaming store takes its value from a register that LLVM cannot see into (an empty
-    inline assembly statement): given the narrowing that made it (float32 to bfloat16 bits,
-    say), LLVM would otherwise fold both into one narrowing store (vpmovdw to memory), which
-    has no streaming form, and drop the streaming mark. Plain stores into lines that streaming
+    A streaming store of 2-byte elements (float32 results narrowed to float16 or bfloat16 bits)
+    stores 16-byte pieces, each taken from a register that LLVM cannot see into (an empty
+    inline assembly statement; 16 bytes fit one on every x86-64): LLVM would otherwise fold the
+    narrowing and the store into one narrowing store (vpmovdw, vcvtps2ph to memory), which has
+    no streaming form, and drop the streaming mark. Plain stores into lines that streaming
     stores write too make every such line a read and two partial writes."""
     data = context.make_array(array_type)(context, builder, array).data
-    address = builder.bitcast(builder.gep(data, [index]), value.type.as_pointer())
-    if nontemporal and X86 and isinstance(value.type, ir.VectorType):
-        opaque = ir.FunctionType(value.type, [value.type])
-        value = builder.asm(opaque, "", "=v,0", [value], side_effect=False)
-    store = builder.store(value, address, align=align)
-    if nontemporal:
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+    address = builder.gep(data, [index])
+    mark = builder.module.add_metadata([ir.IntType(32)(1)])
+    kind = value.type
+    halves = isinstance(kind, ir.VectorType) and kind.element == ir.IntType(16)
+    if not (nontemporal and X86 and halves and kind.count % 8 == 0):
+        store = builder.store(value, builder.bitcast(address, kind.as_pointer()), align=align)
+        if nontemporal:
+            store.set_metadata("nontemporal", mark)
+        return
+    i32 = ir.IntType(32)
+    piece = ir.VectorType(kind.element, 8)
+    for first in range(0, kind.count, 8):
+        lanes = ir.Constant(ir.VectorType(i32, 8), [i32(first + k) for k in range(8)])
+        part = builder.shuffle_vector(value, value, lanes)
+        part = builder.asm(ir.FunctionType(piece, [piece]), "", "=x,0", [part], side_effect=False)
+        at = builder.bitcast(builder.gep(address, [i32(first)]), piece.as_pointer())
+        builder.store(part, at, align=min(align, 16)).set_metadata("nontemporal", mark)
 
 
 @intrinsic
