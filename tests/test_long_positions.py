@@ -235,7 +235,8 @@ def test_large_calls_past_the_cache(
     reference = rope.rotate(x, pos.astype(np.float64), inverse=inverse, backend="numpy")
     assert_matches(got, reference.astype(np.float64), x)  # exact float64 angles
     # the filled route takes every layout here whose rows the direct path stores: pair blocks
-    # and tails on the 16-byte grid, or off it in chunks on the grid (not in place)
+    # and tails on the 16-byte grid, or off it in chunks on the grid (not in place; every
+    # output here is a new array, whose rows of 16 elements are on the grid)
     direct = (
         _config.STREAMING
         and (rotary_dim if style == "interleaved" else rotary_dim // 2) * (x.itemsize) % 16 == 0

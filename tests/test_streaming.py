@@ -23,7 +23,7 @@ PLAIN = {"stream_above": 1 << 62, "vector_rows": False}  # the general row loop'
 
 def _general(rope, xs, pos, outs, inverse=False, modes=None):
     """Rotate through the general strategy's launcher; the store mode of each launch (0, or
-    cpu.SCRATCH, DIRECT, VECTOR) is appended to ``modes``."""
+    cpu.SCRATCH, DIRECT, VECTOR, UNALIGNED, CHUNKED, CHUNKED_PLAIN) is appended to ``modes``."""
 
     def launch(*args):
         mode = cpu.launch(*args)

@@ -119,7 +119,8 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
 
 def _filled_stream(spec, operands, segments, cos, sin):
     """How :func:`launch_filled` stores results: DIRECT, VECTOR, CHUNKED or CHUNKED_PLAIN (as
-    :func:`_stream` would), or 0 where none of those takes the operands."""
+    :func:`_stream` chooses among them, whatever Config.vector_rows says), or 0 where none of
+    those takes the operands."""
     if not STREAMING:
         return 0
     large = _streams(operands)

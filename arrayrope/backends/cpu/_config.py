@@ -47,10 +47,11 @@ class Config:
     # may still be in cache when they are used next, which streaming would forfeit.
     stream_above: int
     # Aligned outputs below stream_above, arrays rotated in place, and outputs of any size off
-    # the 16-byte grid take the direct path's vector loop with plain stores (outputs whose rows
+    # the 16-byte grid take the direct path's vector loop with plain stores (those whose rows
     # are on the grid and pair blocks off it, in chunks on the grid); off, they take the
-    # general row loop (positions past the cache take the direct path either way: see
-    # launch_filled).
+    # general row loop. Outputs of stream_above bytes or more whose rows are on the grid
+    # stream by the direct path either way, and positions past the cache take the direct path
+    # either way (see launch_filled).
     vector_rows: bool
 
     @classmethod
