@@ -38,8 +38,13 @@ def _unaligned(shape, dtype):
 
 def _calls(rope, dtype):
     """(variant, call) pairs: every kernel a decode loop, a prefill and a training step meet."""
+    import arrayrope as ar
+
     from ._tables import PARALLEL_PAIRS
     from .backends.cpu._config import CONFIG, STREAMING
+
+    # one pair rotated: pair blocks off the 16-byte grid, rows on it (written in chunks)
+    off_grid = ar.RoPE(rope.head_dim, rotary_dim=2)
 
     rng = np.random.default_rng(0)
     step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
@@ -68,6 +73,10 @@ def _calls(rope, dtype):
         ("parallel, out=", lambda: rope.rotate(large, out=np.empty_like(large))),
         ("parallel, in place", lambda: rope.rotate(large, out=large)),
         ("vector steps off the 16-byte grid (out=)", lambda: rope.rotate(chunk, real, out=odd)),
+        (
+            "pair blocks off the grid, parallel, out=",
+            lambda: off_grid.rotate(large, out=np.empty_like(large)),
+        ),
         ("positions past the cos/sin cache", lambda: rope.rotate(step, np.array([2**31 - 1]))),
         ("a batch of rows past the cache", lambda: rope.rotate(pair, np.array([[[2**30]], [[9]]]))),
         ("positions past the cache, parallel rows", lambda: rope.rotate(far, far_pos)),
@@ -81,6 +90,7 @@ def _calls(rope, dtype):
         rows = -(-CONFIG.stream_above // (16 * rope.head_dim * dtype.itemsize))
         huge = np.zeros((rows, 16, rope.head_dim), dtype)
         calls.append(("parallel, streaming stores", lambda: rope.rotate(huge)))
+        calls.append(("pair blocks off the grid, streaming", lambda: off_grid.rotate(huge)))
     return calls
 
 
