@@ -5,6 +5,9 @@ A ladder is made for one pair style, a tuple of step widths and a kind of store.
 step repeats while a row has that many bytes left; each narrower one, half the one before it,
 runs at most once; a last width of None (one pair) repeats to the row's end. The row's rotary
 part must be a whole number of the narrowest step.
+
+A chunk walk (:func:`chunk_walk`) takes the same arguments for rows on the 16-byte grid whose
+pair blocks are not: it writes the row in chunks on the grid instead of pair blocks.
 """
 
 import numpy as np
