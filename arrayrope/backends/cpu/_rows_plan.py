@@ -51,6 +51,11 @@ def rows_plan(engine, xs, outs, kind, pos, general):
     return RowsPlan(engine, xs, outs, kind, pos, patterns, general)
 
 
+def _loose(t):
+    """Numba type ``t``, an array's as writable and of any layout (A)."""
+    return t.copy(layout="A", readonly=False) if isinstance(t, numba.types.Array) else t
+
+
 class Operand:
     """One operand's launch: how (x, pos, out) of a call become the kernel's arguments, and
     the kernel's compiled entry point for them."""
@@ -77,8 +82,16 @@ class Operand:
             settings(spec.rotary_dim, spec.half_style, inverse, repeat) for inverse in (0, 1)
         )
         _, *probe = self.arguments(x, pos if kind != INT else 0, out)
-        # the caller promises every later call passes arguments of exactly these types
-        types = tuple(numba.typeof(a) for a in probe + [tables, self.settings[0]])
+        # the caller promises every later call passes arguments of exactly these types; x, o
+        # and the positions typed as writable and of any layout, so that one build serves
+        # C-ordered and strided, read-only or writable operands of a dtype and rank alike (the
+        # kernel reads each row as contiguous whatever the layout and writes only o, which the
+        # call has checked is writable): a build per layout and flag would multiply the compile
+        # time of a program that meets several
+        types = tuple(
+            _loose(numba.typeof(a)) if i < 3 else numba.typeof(a)
+            for i, a in enumerate(probe + [tables, self.settings[0]])
+        )
         self.kernel = rows_kernel(probe[1].dtype).compile(types)
 
     def arguments(self, x, pos, out):
