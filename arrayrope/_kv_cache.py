@@ -195,6 +195,7 @@ def _rows(rope, pos, n, dtype, seq_len):
     ):
         # a step's int64 positions: one compiled pass for the bounds (others, and bad values,
         # take the general way below, which names them)
+        from ._tables import checked_rows
         from .backends.cpu._step_checks import bounds
 
         pos = pos.copy()  # checked and used as one copy (as slots are)
@@ -204,6 +205,9 @@ def _rows(rope, pos, n, dtype, seq_len):
             cached = tables.cached(np, None, dtype, int(high))
             if cached is not None:
                 return cached[0], cached[1], pos
+            # past the cache: each token's own rows, as the general way makes them
+            cos, sin = checked_rows(tables, dtype, pos.reshape(n, 1))
+            return cos, sin, np.arange(n, dtype=np.int64)
     kind, value = _resolved(pos, spec.n_axes)
     if kind == _positions.INT:
         value = np.full((n,) + ((spec.n_axes,) if spec.n_axes > 1 else ()), value)
