@@ -390,8 +390,9 @@ template <> struct CacheStore<e4m3_bits> {
 };
 
 // One head's row: x (normalized where a weight is given: n_weight = d; none: 0) turned by the
-// table row (c, s) into o, the tail copied (normalized). The inverse RMS is summed by each lane
-// over the whole row in order, as the CPU sums it, so every lane holds the CPU's value.
+// table row (c, s) into o, the tail copied (normalized). Each lane sums the squares of the whole
+// row in the CPU's order (element j into partial sum j % 8, the eight added pairwise), so every
+// lane holds the CPU's inverse RMS.
 template <typename T, typename O, bool HALF_STYLE>
 __device__ __forceinline__ void fused_row(
     const T* x, O* o, const typename Elem<T>::compute* c, const typename Elem<T>::compute* s,
@@ -401,11 +402,18 @@ __device__ __forceinline__ void fused_row(
     typedef typename Elem<T>::compute C;
     C factor = (C)1;
     if (n_weight) {
-        C total = (C)0;
-        for (int j = 0; j < d; ++j) {
-            const C value = Elem<T>::load(x + j);
-            total = add(total, mul(value, value));
+        C part[8];
+        for (int p = 0; p < 8; ++p) part[p] = (C)0;
+        for (int j = 0; j < d; j += 8) {
+            for (int p = 0; p < 8; ++p) {
+                if (j + p < d) {
+                    const C value = Elem<T>::load(x + j + p);
+                    part[p] = add(part[p], mul(value, value));
+                }
+            }
         }
+        const C total = add(add(add(part[0], part[1]), add(part[2], part[3])),
+                            add(add(part[4], part[5]), add(part[6], part[7])));
         factor = quotient((C)1, root(add(quotient(total, (C)d), eps)));
     }
     const int half = rotary_dim / 2;
