@@ -153,3 +153,28 @@ def test_default_positions_of_a_longer_k_are_checked_before_q_is_written(max_pos
     got = rope.rotate_qk(q, k, out=(q, k))
     np.testing.assert_array_equal(got[0], want_q)
     np.testing.assert_array_equal(got[1], want_k)
+
+
+@pytest.mark.parametrize("kernel", ["rotate_rows", "rotate_rows_in_steps"])
+def test_empty_operands_never_overlap(kernel):
+    # rotate_qk of zero tokens, k a view of one fused projection and its result a fresh empty
+    # array: two allocations of a few bytes, whose whole spans (an empty axis extends them
+    # backwards by a stride) could meet wherever the allocator put them near each other
+    from numpy.lib.stride_tricks import as_strided
+
+    from arrayrope.backends.cpu import _decode
+
+    dtype = np.float32 if kernel == "rotate_rows" else np.uint16
+    buf = np.zeros(400, dtype)
+
+    def empty_at(i):
+        return as_strided(
+            buf[i:], shape=(0, 2, 8), strides=(80 * buf.itemsize, 8 * buf.itemsize, buf.itemsize)
+        )
+
+    tables = np.zeros((2, 4, 4), np.float32)
+    run = getattr(_decode, kernel)
+    settings = _decode.settings(8, False, False, 1)
+    for x_at, o_at in ((40, 50), (50, 40), (40, 40 + 80)):
+        status = run(empty_at(x_at), empty_at(o_at), np.zeros(0, np.int64), tables, settings)
+        assert status == _decode.DONE

@@ -146,6 +146,8 @@ def _overlap_impl(x, o):
         return lambda x, o: False
 
     def overlap(x, o):
+        if x.size == 0 or o.size == 0:  # no memory (memory_span is a whole span's)
+            return False
         x_lo, x_hi = memory_span(x)
         o_lo, o_hi = memory_span(o)
         return x_lo < o_hi and o_lo < x_hi
