@@ -52,8 +52,9 @@ def _arrays(n, dtype, decode, first=0):
     return q, k, v, pos, k_cache, v_cache, slots, qkv
 
 
-def _case(n, dtype, decode, first=0):
-    """The arrays of one step and its three callables: unfused, fused, copy."""
+def _case(n, dtype, decode, first=0, norm=False):
+    """The arrays of one step and its callables: unfused, fused and the copies. ``norm``: q and
+    k RMS-normalized per head first (QK-norm), the unfused step in NumPy, in float32."""
     from numba import njit, prange
 
     import arrayrope as ar
@@ -69,13 +70,22 @@ def _case(n, dtype, decode, first=0):
     k_rows, v_rows = k_cache.reshape(-1, HKV, D), v_cache.reshape(-1, HKV, D)
     per_token = pos[:, None]  # every head at its token's position
 
+    weight = np.random.default_rng(1).uniform(0.5, 1.5, D).astype(np.float32)
+    options = {"q_norm": weight, "k_norm": weight} if norm else {}
+
+    def normed(x):
+        x = x.astype(np.float32)
+        mean = np.mean(x * x, axis=-1, keepdims=True)
+        return (x / np.sqrt(mean + np.float32(1e-6)) * weight).astype(dtype)
+
     def unfused():
-        rope.rotate_qk(q, k, per_token, out=(q_out, k_out))
+        qn, kn = (normed(q), normed(k)) if norm else (q, k)
+        rope.rotate_qk(qn, kn, per_token, out=(q_out, k_out))
         k_rows[slots] = k_out
         v_rows[slots] = v
 
     def fused():
-        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q_out)
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q_out, **options)
 
     src, dst = qkv.reshape(-1), np.empty(qkv.size, qkv.dtype)
     s8, d8 = src.view(np.uint8), dst.view(np.uint8)
@@ -97,10 +107,17 @@ def rows(rounds):
     from bench import best_per_call
 
     found = []
-    steps = (("prefill", 2048, 1, 0), ("decode", 32, 200, 0), ("decode from 10**6", 32, 200, 10**6))
+    steps = (
+        ("prefill", 2048, 1, 0),
+        ("decode", 32, 200, 0),
+        ("decode from 10**6", 32, 200, 10**6),
+        ("prefill, QK-norm", 2048, 1, 0),
+        ("decode, QK-norm", 32, 200, 0),
+    )
     for step, n, calls, first in steps:
         for dtype in (np.float32, ml_dtypes.bfloat16):
-            best = best_per_call(_case(n, dtype, step != "prefill", first), rounds, calls)
+            case = _case(n, dtype, "decode" in step, first, "norm" in step)
+            best = best_per_call(case, rounds, calls)
             ceiling = min(best["copy"], best["threaded copy"])
             found.append(
                 (
@@ -116,12 +133,12 @@ def rows(rounds):
 
 def report(found):
     lines = [
-        f"  {'step':18s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
+        f"  {'step':19s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
         f"{'copy us':>9s} {'of copy':>8s}"
     ]
     for step, dtype, fused, unfused, copy in found:
         lines.append(
-            f"  {step:18s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
+            f"  {step:19s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
             f"{copy:9.1f} {copy / fused:8.2f}"
         )
     return "\n".join(lines)

@@ -248,7 +248,8 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "`unfused` is `rotate_qk(..., out=)` and two NumPy scatters into the cache; `copy` the "
         "fastest copy of the projection's bytes. Prefill: 2048 tokens at consecutive slots; "
         "decode: 32 tokens at mixed positions and scattered slots, below 30,000 and from 10**6 on "
-        "(past the cache of cos/sin rows). Best of rounds.",
+        "(past the cache of cos/sin rows). QK-norm: q and k RMS-normalized per head before the "
+        "rotation (`q_norm=`, `k_norm=`); unfused, by NumPy in float32 first. Best of rounds.",
         "",
         _table(
             ["step", "dtype", "fused us", "unfused us", "speedup", "copy us", "of copy"],
