@@ -15,8 +15,9 @@ q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches a
 
 Prefill: 2048 tokens at positions 100..2147 into consecutive slots; decode: 32 tokens at mixed
 positions below 30,000, into slots scattered over a 4096-slot cache, and the same 10**6 further
-on (past the cache of cos/sin rows: each token's row made for the call). ``bench/bench.py`` prints
-the same rows.
+on (past the cache of cos/sin rows: each token's row made for the call). With QK-norm, the same
+prefill and decode with ``q_norm=`` and ``k_norm=`` weights (norm_eps 1e-6), the unfused step
+normalizing q and k with NumPy in float32 first. ``bench/bench.py`` prints the same rows.
 """
 
 import argparse
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
+EPS = 1e-6  # the QK-norm's
 
 
 def _arrays(n, dtype, decode, first=0):
@@ -71,12 +73,12 @@ def _case(n, dtype, decode, first=0, norm=False):
     per_token = pos[:, None]  # every head at its token's position
 
     weight = np.random.default_rng(1).uniform(0.5, 1.5, D).astype(np.float32)
-    options = {"q_norm": weight, "k_norm": weight} if norm else {}
+    options = {"q_norm": weight, "k_norm": weight, "norm_eps": EPS} if norm else {}
 
     def normed(x):
         x = x.astype(np.float32)
         mean = np.mean(x * x, axis=-1, keepdims=True)
-        return (x / np.sqrt(mean + np.float32(1e-6)) * weight).astype(dtype)
+        return (x / np.sqrt(mean + np.float32(EPS)) * weight).astype(dtype)
 
     def unfused():
         qn, kn = (normed(q), normed(k)) if norm else (q, k)
@@ -100,23 +102,23 @@ def _case(n, dtype, decode, first=0, norm=False):
 
 
 def rows(rounds):
-    """[(step, dtype, fused us, unfused us, copy us)] for prefill and decode, float32 and
-    bfloat16."""
+    """[(step, dtype, fused us, unfused us, copy us)] for prefill and decode (with QK-norm
+    too), float32 and bfloat16."""
     import ml_dtypes
 
     from bench import best_per_call
 
     found = []
-    steps = (
-        ("prefill", 2048, 1, 0),
-        ("decode", 32, 200, 0),
-        ("decode from 10**6", 32, 200, 10**6),
-        ("prefill, QK-norm", 2048, 1, 0),
-        ("decode, QK-norm", 32, 200, 0),
+    steps = (  # (label, tokens, calls per round, decode, first position, norm)
+        ("prefill", 2048, 1, False, 0, False),
+        ("decode", 32, 200, True, 0, False),
+        ("decode from 10**6", 32, 200, True, 10**6, False),
+        ("prefill, QK-norm", 2048, 1, False, 0, True),
+        ("decode, QK-norm", 32, 200, True, 0, True),
     )
-    for step, n, calls, first in steps:
+    for step, n, calls, decode, first, norm in steps:
         for dtype in (np.float32, ml_dtypes.bfloat16):
-            case = _case(n, dtype, "decode" in step, first, "norm" in step)
+            case = _case(n, dtype, decode, first, norm)
             best = best_per_call(case, rounds, calls)
             ceiling = min(best["copy"], best["threaded copy"])
             found.append(

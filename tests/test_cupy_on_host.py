@@ -670,18 +670,18 @@ def test_rotate_into_cache_on_the_device_is_the_cpu_step(cp, rng, dtype, layout,
     # results and caches, positions in the table and past it, padding, in place and new
     import ml_dtypes
 
-    n, hq, hkv, d = 7, 3, 2, 32
+    n, hq, hkv = 7, 3, 2
+    # with a norm, head sizes on and off the eighth: off it, the last partial sums of the
+    # squares take the rest (see _fused._inverse_rms)
+    d = {"norm and float8": 38, "k norm": 38}.get(rope_kind, 32)
     rope = {
         "half": lambda: ar.RoPE(d, style="half"),
         "interleaved, partial, YaRN": lambda: ar.RoPE(d, rotary_dim=12, scaling=YaRN(4.0, 64)),
         "sectioned": lambda: ar.RoPE.sectioned(d, (4, 6, 6)),
-        # with a norm, a head size off the eighth: the last partial sums of the squares (see
-        # _fused._inverse_rms) take the rest
-        "norm and float8": lambda: ar.RoPE(38, style="half", rotary_dim=24),
-        "q norm": lambda: ar.RoPE(38, rotary_dim=24),
-        "k norm": lambda: ar.RoPE(38, rotary_dim=24),
+        "norm and float8": lambda: ar.RoPE(d, style="half", rotary_dim=24),
+        "q norm": lambda: ar.RoPE(d, rotary_dim=24),
+        "k norm": lambda: ar.RoPE(d, rotary_dim=24),
     }[rope_kind]()
-    d = rope.head_dim
     options = {}
     cache_dtype = dtype
     if rope_kind == "norm and float8":

@@ -161,29 +161,30 @@ def test_qk_norm_before_the_rotation(dtype, style, rng):
     assert np.array_equal(bits(_rows(v_cache, "NHD")[slots]), bits(v))
 
 
-@pytest.mark.parametrize("d", [2, 6, 8, 14, 22, 70])
-def test_the_sum_of_squares_takes_its_documented_order(d, rng):
-    # float32 rows normalized bit for bit as _fused._inverse_rms documents: element j into
-    # partial sum j % 8, the eight added pairwise; the tail past a one-pair rotary part is then
-    # x * factor * weight, rounded at each step
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("d", [4, 14, 22, 30, 70])
+def test_the_sum_of_squares_takes_its_documented_order(d, dtype, rng):
+    # rows normalized bit for bit as _fused._inverse_rms documents: element j into partial sum
+    # j % 8, the eight added pairwise; the tail past a one-pair rotary part is then
+    # x * factor * weight, rounded at each step (d = 4: only the pairwise additions)
     n, hq, hkv = 5, 3, 2
     rope = ar.RoPE(d, rotary_dim=2)
-    q, k, v = _qkv(rng, n, hq, hkv, d, np.float32, True)
-    q *= rng.uniform(0.1, 100.0, (n, hq, 1)).astype(np.float32)  # rows of every scale
-    weight = rng.uniform(0.5, 1.5, d).astype(np.float32)
-    k_cache, v_cache = _caches(rng, 2, 4, hkv, d, np.float32, "NHD")
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+    q *= rng.uniform(0.1, 100.0, (n, hq, 1)).astype(dtype)  # rows of every scale
+    weight = rng.uniform(0.5, 1.5, d).astype(dtype)
+    k_cache, v_cache = _caches(rng, 2, 4, hkv, d, dtype, "NHD")
     got = rope.rotate_into_cache(q, k, v, np.arange(n), k_cache, v_cache, np.arange(n),
                                  q_norm=weight, norm_eps=1e-5)  # fmt: skip
     squares = q * q
-    parts = [np.zeros(q.shape[:-1], np.float32) for _ in range(8)]
+    parts = [np.zeros(q.shape[:-1], dtype) for _ in range(8)]
     for j in range(d):  # in order along the row (numpy's own sum is pairwise)
         parts[j % 8] = parts[j % 8] + squares[..., j]
     total = ((parts[0] + parts[1]) + (parts[2] + parts[3])) + (
         (parts[4] + parts[5]) + (parts[6] + parts[7])
     )
-    factor = np.float32(1) / np.sqrt(total / np.float32(d) + np.float32(1e-5))
+    factor = dtype(1) / np.sqrt(total / dtype(d) + dtype(1e-5))
     want = q[..., 2:] * factor[..., None] * weight[2:]
-    assert np.array_equal(bits(got[..., 2:]), bits(want))
+    assert want.size and np.array_equal(bits(got[..., 2:]), bits(want))
 
 
 def test_float8_caches_are_scaled_rounded_once_and_saturated(rng):

@@ -3,9 +3,8 @@
 The kernel takes the arrays as they are (no flat views, no operand geometry), which a decode
 step needs: its whole rotation takes less time than Python spends on a few attribute reads.
 So the plan works out everything but the arrays themselves once. Because the plan's key fixes
-the Numba type of every argument (dtype, shape, strides and flags of each array), it calls the
-kernel's compiled entry point for those types directly, skipping the dispatcher's type
-resolution.
+what the kernel's build depends on (each array's dtype and rank), it calls the kernel's compiled
+entry point directly, skipping the dispatcher's type resolution.
 
 What depends on values and addresses the kernel checks before writing (every position is a row
 of the cached table, x's memory does not meet out's) and reports as a status; ``_RETRY`` says
@@ -82,12 +81,13 @@ class Operand:
             settings(spec.rotary_dim, spec.half_style, inverse, repeat) for inverse in (0, 1)
         )
         _, *probe = self.arguments(x, pos if kind != INT else 0, out)
-        # the caller promises every later call passes arguments of exactly these types; x, o
-        # and the positions typed as writable and of any layout, so that one build serves
-        # C-ordered and strided, read-only or writable operands of a dtype and rank alike (the
-        # kernel reads each row as contiguous whatever the layout and writes only o, which the
-        # call has checked is writable): a build per layout and flag would multiply the compile
-        # time of a program that meets several
+        # The entry point checks nothing: the caller promises that every later call passes x,
+        # o and positions of these dtypes and ranks (the plan's key fixes them) and tables of
+        # this type (always made C-contiguous). x, o and the positions are typed as writable
+        # and of any layout, so that one build serves C-ordered and strided, read-only or
+        # writable operands alike (the kernel reads each row as contiguous whatever the layout
+        # and writes only o, which the call has checked is writable): a build per layout and
+        # flag would multiply the compile time of a program that meets several.
         types = tuple(
             _loose(numba.typeof(a)) if i < 3 else numba.typeof(a)
             for i, a in enumerate(probe + [tables, self.settings[0]])
@@ -307,8 +307,7 @@ class RowsPlan:
         return self.general.run(xs, pos, inverse, outs, seq_len)
 
 
-# The positions of one row of rows made for a call (never written; writable all the same, as
-# _positions.defaults says)
+# The positions of one row of rows made for a call
 _FIRST_ROW = np.zeros(1, np.int64)
 
 # What the plan does with each status of a kernel that wrote nothing
