@@ -105,8 +105,9 @@ def _inverse_rms(x, d, weight, eps):
     the CPU overlaps, where one sum over the row would wait on each addition in turn. The CUDA
     source sums in the same order, so both give the same bits. (Past the row's end the last
     group adds zeros, which leave a sum of squares as it is.) Compiled on its own, as is
-    _square_at (LLVM inlines both): inlined in Numba's IR at each call site, they made the
-    fused step's compile half as long again."""
+    _square_at: inlined in Numba's IR at each call site, they made the fused step's compile
+    half as long again. LLVM inlines _square_at here; this function stays a call, one per
+    normalized row, beside a row's hundreds of operations."""
     zero = _zero(x)
     one = zero + np.float32(1.0)
     if weight.shape[0] == 0:
