@@ -7,6 +7,9 @@ exception is the decode step's way in (``_api`` and ``Engine.rotate``), which te
 ``type(x) is np.ndarray`` inline: a call to :func:`family` there costs a visible part of it.
 """
 
+import ctypes
+import functools
+import math
 import sys
 
 import numpy as np
@@ -152,6 +155,51 @@ def aligned(a):
     """``a``, or an aligned copy of a misaligned CuPy array (which CuPy's own operations fault
     on: see :func:`copy`)."""
     return copy(a) if _misaligned(a) else a
+
+
+def empty_for_xla(shape, dtype):
+    """A new C-order NumPy array whose data starts on a 64-byte boundary: XLA adopts such a
+    CPU buffer without copying it (``jax.device_put``), where it copies any other."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+# Linux's madvise flag that asks for transparent huge pages, the size of one, and the smallest
+# buffer NumPy asks them for (numpy/_core/src/multiarray/alloc.c): a first write into fresh
+# memory then takes one page fault for each 2 MiB, not one for each 4 KiB.
+_MADV_HUGEPAGE, _HUGE_PAGE, _HUGE_FROM = 14, 1 << 21, 1 << 22
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise_huge_pages(address, nbytes):
+    """Ask Linux to back the whole huge pages inside ``nbytes`` at ``address`` with huge pages,
+    as NumPy does for its own arrays of 4 MiB and more. For XLA's CPU buffers, which a kernel
+    is about to write in full: XLA maps a large one afresh for each call, so writing it in small
+    pages costs more than the rotation (a page fault for each 4 KiB). Advice only: the contents
+    stay. Returns whether the kernel took the advice (not off Linux, below 4 MiB, or on a
+    kernel without transparent huge pages)."""
+    madvise = _madvise() if nbytes >= _HUGE_FROM else None
+    if madvise is None:
+        return False
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def ready(a, array_family, any_layout):

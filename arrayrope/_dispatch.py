@@ -131,12 +131,14 @@ class Engine:
             adopt = _interop.fast_adopter(type(x))
             found = None if adopt is None else adopt(x)
             if found is not None:  # a torch or JAX array on the CPU, viewed as NumPy
-                native, back = found
+                native, new, back = found
                 if type(pos) is type(x):  # positions of the same kind, viewed alike
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
                 if out is None:
-                    return back(self.rotate(native, pos, inverse, None, backend, seq_len))
+                    if new is not None and not _interop.jax_traced(pos):
+                        out = new(native)
+                    return back(self.rotate(native, pos, inverse, out, backend, seq_len))
                 if native.flags.writeable:
                     self.rotate(native, pos, inverse, native, backend, seq_len)
                     return x
@@ -161,11 +163,13 @@ class Engine:
             found = None if adopt is None else (adopt(q), adopt(k))
             if found is not None and found[0] is not None and found[1] is not None:
                 kind = type(q)
-                (q, back), (k, _) = found  # torch or JAX arrays on the CPU, viewed as NumPy
+                (q, new, back), (k, _, _) = found  # torch or JAX arrays on the CPU, as NumPy
                 if type(pos) is kind:
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
-                q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, None, backend, seq_len)
+                if new is not None and not _interop.jax_traced(pos):
+                    out = (new(q), new(k))
+                q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
                 return back(q_rot), back(k_rot)
         if type(q) is _NDARRAY and type(k) is _NDARRAY and out is None:
             if pos is None:

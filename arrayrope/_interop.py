@@ -228,13 +228,20 @@ _fast = Bounded(64)
 
 def fast_adopter(kind):
     """For a type whose CPU arrays convert to and from NumPy more cheaply than through DLPack
-    (torch tensors, JAX arrays), a function ``a -> (NumPy view, restorer)``, or None where that
-    array needs the general way (another device, bfloat16 without ml_dtypes, autograd). None
-    for every other type. Cached per type."""
+    (torch tensors, JAX arrays), a function ``a -> (NumPy view, new, restorer)``, or None where
+    that array needs the general way (another device, bfloat16 without ml_dtypes, autograd);
+    ``new(view)`` makes the array a result is written into, or is None where the plan's own
+    will do, and ``restorer`` hands that result back without a copy. None for every other
+    type. Cached per type."""
     found = _fast.get(kind, False)
     if found is False:
         found = _fast.put(kind, _make_fast_adopter(kind))
     return found
+
+
+def new_for_jax(like):
+    """The array a JAX array's result is written into: see :func:`_arrays.empty_for_xla`."""
+    return _arrays.empty_for_xla(like.shape, like.dtype)
 
 
 def _make_fast_adopter(kind):
@@ -253,16 +260,16 @@ def _make_fast_adopter(kind):
                     if "ml_dtypes" not in sys.modules:
                         return None
                     bits = t.view(torch.int16).numpy()
-                    return bits.view(sys.modules["ml_dtypes"].bfloat16), back
-                return t.numpy(), from_numpy
+                    return bits.view(sys.modules["ml_dtypes"].bfloat16), None, back
+                return t.numpy(), None, from_numpy
             except (RuntimeError, TypeError):  # one NumPy cannot view (conjugate bit, grad)
                 return None
 
         return from_torch
     if framework in ("jax", "jaxlib"):
-        jnp = sys.modules["jax"].numpy
-
-        tracer = sys.modules["jax"].core.Tracer
+        jax = sys.modules["jax"]
+        tracer = jax.core.Tracer
+        device_put = jax.device_put
 
         def from_jax(a):
             if isinstance(a, tracer):
@@ -270,7 +277,9 @@ def _make_fast_adopter(kind):
             devices = a.devices()
             if len(devices) != 1 or next(iter(devices)).platform != "cpu":
                 return None
-            return np.asarray(a), jnp.asarray  # a read-only view of its buffer
+            # a read-only view of its buffer; the result is written into memory XLA adopts as
+            # it is (no one else holds it), where jnp.asarray would copy it into fresh pages
+            return np.asarray(a), new_for_jax, device_put
 
         return from_jax
     return None

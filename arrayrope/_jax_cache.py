@@ -109,10 +109,12 @@ def _eager(*args, call):
     """The primitive on concrete arrays: the NumPy step on copies of the caches."""
     k_at, v_at = _caches(_jax_ops._calls[call])
     operands = [np.asarray(a) for a in args]
-    out = np.empty(operands[0].shape, operands[0].dtype)
-    k_cache, v_cache = np.array(operands[k_at]), np.array(operands[v_at])
+    out, k_cache, v_cache = (
+        _arrays.empty_for_xla(operands[i].shape, operands[i].dtype) for i in (0, k_at, v_at)
+    )
+    k_cache[...], v_cache[...] = operands[k_at], operands[v_at]
     _step(operands, out, k_cache, v_cache, call)
-    return [jnp.asarray(out), jnp.asarray(k_cache), jnp.asarray(v_cache)]
+    return [jax.device_put(a) for a in (out, k_cache, v_cache)]  # see _arrays.empty_for_xla
 
 
 def _not_differentiated(primals, tangents, *, call):

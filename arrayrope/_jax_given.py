@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _given, _jax_ops
+from . import _arrays, _given, _jax_ops
 from ._errors import RopeTypeError, RopeValueError
 
 _KIND = "apply_cos_sin"
@@ -73,9 +73,9 @@ def _abstract(x, cos, sin, *, call):
 def _eager(x, cos, sin, *, call):
     """The primitive on concrete arrays (a transform of an eager call binds it so)."""
     x, cos, sin = (np.asarray(a) for a in (x, cos, sin))
-    out = np.empty(x.shape, x.dtype)
+    out = _arrays.empty_for_xla(x.shape, x.dtype)
     _rotate(x, cos, sin, out, call)
-    return jnp.asarray(out)
+    return jax.device_put(out)  # XLA adopts it: see _arrays.empty_for_xla
 
 
 apply_p = Primitive("arrayrope_apply_cos_sin")

@@ -20,6 +20,7 @@ This module imports JAX: it is imported only once a traced JAX array has been se
 
 import ctypes
 import functools
+import math
 import threading
 
 import jax
@@ -28,7 +29,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _registry
+from . import _arrays, _registry
 from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
@@ -155,6 +156,8 @@ def _view(address, dtype, bits, read_only):
     lays out custom-call operands by default) of ``dtype``."""
     buffer = _Buffer.from_address(address)
     data, shape = buffer.data or 0, tuple(buffer.dims[: buffer.rank])
+    if not read_only:
+        _arrays.advise_huge_pages(data, math.prod(shape) * bits.itemsize)
     key = (data, shape, dtype, read_only)
     view = _views.get(key)
     if view is None:
@@ -285,9 +288,9 @@ def _eager(args, call):
     key, operands, kind, scalar, inverse, backend, seq_len, dtype = _calls[call]
     xs = tuple(np.asarray(a) for a in args[:operands])
     pos = np.asarray(args[operands]) if kind == "array" else scalar
-    outs = tuple(np.empty(x.shape, x.dtype) for x in xs)
+    outs = tuple(_arrays.empty_for_xla(x.shape, x.dtype) for x in xs)
     _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
-    return [jnp.asarray(o) for o in outs]
+    return [jax.device_put(o) for o in outs]  # XLA adopts them: see _arrays.empty_for_xla
 
 
 def _with(call, **changes):

@@ -113,3 +113,53 @@ def test_bounded_drops_the_oldest_first():
     assert list(cache) == [2, 3, 4] and cache[3] == "again"
     _cache.clear_all()
     assert not cache
+
+
+@given(
+    shape=st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    dtype=st.sampled_from(["float16", "float32", "float64", "uint8", "int64"]),
+)
+def test_empty_for_xla_is_c_ordered_and_starts_on_64_bytes(shape, dtype):
+    a = _arrays.empty_for_xla(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous
+    assert a.flags.writeable and (a.size == 0 or a.ctypes.data % 64 == 0)
+    a[...] = 3  # the whole array is its own memory
+    assert a.nbytes == 0 or a.base.nbytes >= a.nbytes
+
+
+def _vm_flags(address):
+    """The VmFlags of the mapping that holds ``address`` (Linux's /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_advise_huge_pages_marks_the_whole_huge_pages_and_keeps_the_contents():
+    import mmap
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        assert _arrays._madvise() is None
+        return
+    memory = mmap.mmap(-1, 12 << 20)
+    a = np.frombuffer(memory, np.uint8)
+    a[:] = np.arange(a.size) % 251
+    start = a.ctypes.data + 4096  # off the 2 MiB grid: only whole huge pages inside are marked
+    assert "hg" not in _vm_flags(start + (4 << 20))
+    if not _arrays.advise_huge_pages(start, 8 << 20):  # refused: a kernel without them
+        assert not os.path.exists("/sys/kernel/mm/transparent_hugepage")
+        return
+    assert "hg" in _vm_flags(-(-start // (2 << 20)) * (2 << 20))
+    assert "hg" not in _vm_flags(a.ctypes.data)  # the partial page below stays as it was
+    np.testing.assert_array_equal(a, np.arange(a.size) % 251)
+    assert not _arrays.advise_huge_pages(start, (4 << 20) - 1)  # below NumPy's threshold
+    del a
+    memory.close()

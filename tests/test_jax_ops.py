@@ -323,3 +323,25 @@ def test_rotate_into_cache_refusals():
             jax.jit(lambda *a, lay=layout: STEP_ROPE.rotate_into_cache(*a, cache_layout=lay))(
                 *given, jnp.asarray(slots)
             )
+
+
+def test_eager_results_are_their_own_memory():
+    # An eager call's result is NumPy memory that XLA adopts (_arrays.empty_for_xla): each
+    # result its own, never the input's, and unchanged by later calls.
+    x, pos = _data(shape=(2, 3, 40, 16))
+    first = ROPE.rotate(x, pos)
+    q_rot, k_rot = ROPE.rotate_qk(x, x[:, :1], pos)
+    kept = [np.array(a) for a in (first, q_rot, k_rot)]
+    for shift in range(1, 4):
+        ROPE.rotate(x, pos + shift), ROPE.rotate_qk(x, x[:, :1], pos + shift)
+    want = _expected(ROPE, x, pos)
+    for a, copy, expected in zip((first, q_rot, k_rot), kept, (want, want, want[:, :1])):
+        np.testing.assert_array_equal(np.asarray(a), copy)
+        np.testing.assert_array_equal(copy, expected)
+    pointers = {a.unsafe_buffer_pointer() for a in (x, first, q_rot, k_rot)}
+    assert len(pointers) == 4
+    grads = jax.grad(lambda t: ROPE.rotate(t, pos).sum())(x)  # the primitive's eager rule
+    np.testing.assert_allclose(
+        np.asarray(grads), _expected(ROPE, np.ones(x.shape, np.float32), pos, inverse=True),
+        rtol=1e-6, atol=1e-6,
+    )  # fmt: skip
