@@ -137,7 +137,7 @@ class Engine:
                     pos = pos if found is None else found[0]
                 if out is None:
                     if new is not None and not _interop.jax_traced(pos):
-                        out = new(native)
+                        (out,) = new(native)
                     return back(self.rotate(native, pos, inverse, out, backend, seq_len))
                 if native.flags.writeable:
                     self.rotate(native, pos, inverse, native, backend, seq_len)
@@ -167,8 +167,7 @@ class Engine:
                 if type(pos) is kind:
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
-                if new is not None and not _interop.jax_traced(pos):
-                    out = (new(q), new(k))
+                out = None if new is None or _interop.jax_traced(pos) else new(q, k)
                 q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
                 return back(q_rot), back(k_rot)
         if type(q) is _NDARRAY and type(k) is _NDARRAY and out is None:

@@ -229,9 +229,9 @@ _fast = Bounded(64)
 def fast_adopter(kind):
     """For a type whose CPU arrays convert to and from NumPy more cheaply than through DLPack
     (torch tensors, JAX arrays), a function ``a -> (NumPy view, new, restorer)``, or None where
-    that array needs the general way (another device, bfloat16 without ml_dtypes, autograd);
-    ``new(view)`` makes the array a result is written into, or is None where the plan's own
-    will do, and ``restorer`` hands that result back without a copy. None for every other
+    that array needs the general way (another device, bfloat16 without ml_dtypes, autograd).
+    ``new(*views)`` makes the arrays the results are written into, or is None where the plan's
+    own will do; ``restorer`` hands a result back as the type's array. None for every other
     type. Cached per type."""
     found = _fast.get(kind, False)
     if found is False:
@@ -239,9 +239,23 @@ def fast_adopter(kind):
     return found
 
 
-def new_for_jax(like):
-    """The array a JAX array's result is written into: see :func:`_arrays.empty_for_xla`."""
-    return _arrays.empty_for_xla(like.shape, like.dtype)
+# A JAX array's result of this many bytes or more is written into memory XLA adopts
+# (jax.device_put of _arrays.empty_for_xla: tens of microseconds, whatever the size); a smaller
+# one is copied into XLA's own, which costs less below it.
+JAX_ADOPTS_FROM = 1 << 18
+
+
+def new_for_jax(*likes):
+    """The arrays the results for JAX arrays like ``likes`` are written into."""
+    return tuple(_arrays.empty_for_xla(like.shape, like.dtype) for like in likes)
+
+
+def jax_result(result):
+    """A NumPy result as a JAX array: adopted where it is large, copied where it is small."""
+    jax = sys.modules["jax"]
+    if result.nbytes < JAX_ADOPTS_FROM:
+        return jax.numpy.asarray(result)
+    return jax.device_put(result)
 
 
 def _make_fast_adopter(kind):
@@ -267,9 +281,7 @@ def _make_fast_adopter(kind):
 
         return from_torch
     if framework in ("jax", "jaxlib"):
-        jax = sys.modules["jax"]
-        tracer = jax.core.Tracer
-        device_put = jax.device_put
+        tracer = sys.modules["jax"].core.Tracer
 
         def from_jax(a):
             if isinstance(a, tracer):
@@ -277,9 +289,10 @@ def _make_fast_adopter(kind):
             devices = a.devices()
             if len(devices) != 1 or next(iter(devices)).platform != "cpu":
                 return None
-            # a read-only view of its buffer; the result is written into memory XLA adopts as
-            # it is (no one else holds it), where jnp.asarray would copy it into fresh pages
-            return np.asarray(a), new_for_jax, device_put
+            # a read-only view of its buffer; a large result is written into memory that XLA
+            # adopts as it is (no one else holds it), where a copy would fill fresh pages
+            view = np.asarray(a)
+            return view, None if view.nbytes < JAX_ADOPTS_FROM else new_for_jax, jax_result
 
         return from_jax
     return None

@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _given, _jax_ops
+from . import _arrays, _given, _interop, _jax_ops
 from ._errors import RopeTypeError, RopeValueError
 
 _KIND = "apply_cos_sin"
@@ -75,7 +75,7 @@ def _eager(x, cos, sin, *, call):
     x, cos, sin = (np.asarray(a) for a in (x, cos, sin))
     out = _arrays.empty_for_xla(x.shape, x.dtype)
     _rotate(x, cos, sin, out, call)
-    return jax.device_put(out)  # XLA adopts it: see _arrays.empty_for_xla
+    return _interop.jax_result(out)
 
 
 apply_p = Primitive("arrayrope_apply_cos_sin")

@@ -325,12 +325,22 @@ def test_rotate_into_cache_refusals():
             )
 
 
-def test_eager_results_are_their_own_memory():
-    # An eager call's result is NumPy memory that XLA adopts (_arrays.empty_for_xla): each
-    # result its own, never the input's, and unchanged by later calls.
-    x, pos = _data(shape=(2, 3, 40, 16))
+@pytest.mark.parametrize("tokens", [40, 1500])  # copied into XLA's memory; adopted by XLA
+def test_eager_results_are_their_own_memory(tokens, monkeypatch):
+    # An eager call's result, copied or adopted (_interop.JAX_ADOPTS_FROM): each its own, never
+    # the input's, and unchanged by later calls; an adopted one is the memory it was written in.
+    from arrayrope import _arrays
+
+    made, empty_for_xla = [], _arrays.empty_for_xla
+    monkeypatch.setattr(
+        _arrays, "empty_for_xla", lambda *a: made.append(empty_for_xla(*a)) or made[-1]
+    )
+    x, pos = _data(shape=(2, 3, tokens, 16))
     first = ROPE.rotate(x, pos)
     q_rot, k_rot = ROPE.rotate_qk(x, x[:, :1], pos)
+    adopted = {a.ctypes.data for a in made}
+    assert (first.unsafe_buffer_pointer() in adopted) == (tokens == 1500)
+    assert (q_rot.unsafe_buffer_pointer() in adopted) == (tokens == 1500)
     kept = [np.array(a) for a in (first, q_rot, k_rot)]
     for shift in range(1, 4):
         ROPE.rotate(x, pos + shift), ROPE.rotate_qk(x, x[:, :1], pos + shift)
