@@ -147,14 +147,10 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     q, out, k, v, k_cache, v_cache = arrays
     if spec.dynamic or spec.n_axes != 1 or not (k_cache.dtype == v_cache.dtype == q.dtype):
         return
-    dtype = cos.dtype
-    weight = no_weight(dtype)
-    vector = _fused_launch.layout_vector(
-        spec, q, out, k, v, k_cache, v_cache, weight, weight, cos, sin
-    )
+    vector = _fused_launch.layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin)
     settings = _fused_launch.settings(spec, block, layout, vector, True)
     bits = _fused_launch.bits_of(q.dtype) is not None
     # whether an operand is read-only, from the key's flags: the launch takes such operands
     # through writable aliases (see _fused_launch.writable), made here at no cost to the rest
     read_only = any(not flags & _WRITEABLE for *_, flags in key[-1])
-    _steps.put(key, (settings, _fused_launch.parallel(q, k), dtype, bits, read_only))
+    _steps.put(key, (settings, _fused_launch.parallel(q, k), cos.dtype, bits, read_only))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from oracles import DTYPES, assert_matches, bits, oracle, random_array
 
 import arrayrope as ar
+from arrayrope import _arrays
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -114,25 +115,71 @@ def test_matches_rotate_qk_and_a_scatter(
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     # the test above judges both row paths by their bits; this one, that the vector steps serve
-    # the common case (views of a fused projection into aligned caches) and not the norm's
+    # the common case (views of a fused projection into aligned caches), normed rows too
     from arrayrope.backends.cpu import HARDWARE_F16, _fused_launch
 
     rope = ar.RoPE(128, style="half")
     q, k, v = _qkv(rng, 4, 8, 2, 128, dtype, fused=True)
     k_cache, v_cache = _caches(rng, 3, 16, 2, 128, dtype, layout)
     cos = sin = np.zeros((10, 64), np.float64 if dtype == np.float64 else np.float32)
-    none, weight = np.empty(0, cos.dtype), np.ones(128, cos.dtype)
     expected = dtype != np.float16 or HARDWARE_F16
     out = np.empty_like(q)
     steps = 3 if expected else 0  # bit 0: q's rows; bit 1: k's and v's
     args = (rope._spec, q, out, k, v, k_cache, v_cache)
-    assert _fused_launch.layout_vector(*args, none, none, cos, sin) == steps
-    assert _fused_launch.layout_vector(*args, none, weight, cos, sin) == steps & 1  # k's norm
-    assert _fused_launch.layout_vector(*args, weight, none, cos, sin) == steps & 2  # q's norm
+    assert _fused_launch.layout_vector(*args, cos, sin) == steps
+    fp8 = np.zeros(k_cache.shape, FP8)
+    assert _fused_launch.layout_vector(*args[:5], fp8, fp8, cos, sin) == steps & 1
     # a target off the 16-byte grid takes the row loop
     assert _fused_launch.vector_steps(steps, 0, 32, 48) == steps
     assert _fused_launch.vector_steps(steps, 4, 32, 48) == steps & 2
     assert _fused_launch.vector_steps(steps, 0, 32, 40) == steps & 1
+
+
+def _off_the_grid(a):
+    """A copy of ``a`` one element past an aligned start: off the 16-byte grid."""
+    memory = np.empty(a.size + 1, a.dtype)[1:]
+    memory[...] = a.reshape(-1)
+    return memory.reshape(a.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("d, rotary_dim", [(128, 128), (128, 64), (40, 32), (36, 32), (6, 4)])
+@pytest.mark.parametrize("norms", ["q and k", "q", "k"])
+def test_normed_rows_in_vector_steps_have_the_row_loops_bits(dtype, style, d, rotary_dim,
+                                                             norms, rng):  # fmt: skip
+    # A normed row takes the vector steps where its target is on the 16-byte grid (the sum of
+    # squares in vectors of eight, its last group masked where d is not a multiple of 8), the
+    # row loop where it is not: the same bits either way.
+    from arrayrope.backends.cpu import HARDWARE_F16, _fused_launch
+
+    n, hq, hkv = 11, 4, 2
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+    q *= rng.uniform(0.1, 100.0, (n, hq, 1)).astype(dtype)  # rows of every scale
+    weights = [rng.uniform(0.5, 1.5, d) if name in norms else None for name in "qk"]
+    k_cache, v_cache = _caches(rng, 4, 4, hkv, d, dtype, "NHD")
+    slots, pos = rng.permutation(16)[:n], rng.integers(0, 10**6, n)
+    results = []
+    for place in (np.copy, _off_the_grid):
+        out, kc, vc = np.full(q.shape, np.nan, dtype), place(k_cache), place(v_cache)
+        out = place(out)
+        table = np.zeros((1, rotary_dim), np.float32)  # unit-stride rows, as the launch's are
+        steps = _fused_launch.layout_vector(rope._spec, q, out, k, v, kc, vc, table, table)
+        at = [_arrays.address(a) for a in (out, kc, vc)]
+        results.append((_fused_launch.vector_steps(steps, *at), out, kc, vc))
+        rope.rotate_into_cache(q, k, v, pos, kc, vc, slots, out=out, q_norm=weights[0],
+                               k_norm=weights[1], norm_eps=1e-5)  # fmt: skip
+    (vector, *aligned), (loop, *shifted) = results
+    assert loop == 0
+    eligible = (
+        (d, rotary_dim) in ((128, 128), (128, 64), (40, 32))
+        or ((d, rotary_dim) == (36, 32) and dtype in (np.float32, np.float64))
+        or ((d, rotary_dim) == (6, 4) and dtype == np.float64)
+    )
+    assert vector == (3 if eligible and (dtype != np.float16 or HARDWARE_F16) else 0)
+    for a, b in zip(aligned, shifted):
+        assert np.array_equal(bits(a), bits(b))
 
 
 def _rms64(x, weight, eps):

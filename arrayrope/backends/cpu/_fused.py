@@ -18,7 +18,7 @@ from numba.extending import intrinsic, overload, register_jitable
 from ._config import VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
-from ._simd import copy_bytes
+from ._simd import copy_bytes, scale_row, sum_of_squares
 
 # The vector steps of the direct path (see _direct), with plain stores: a cache row is read
 # again soon (by attention), and a result row is as likely to be.
@@ -126,6 +126,18 @@ def _inverse_rms(x, d, weight, eps):
     return one / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
 
 
+@njit(nogil=True)
+def _normalized(x, xb, d, weight, eps, scratch):
+    """scratch[:d] = the row of x at flat offset ``xb``, RMS-normalized and weighted in vector
+    steps, with :func:`_inverse_rms`'s and :func:`_scaled`'s arithmetic in their order (the
+    same bits): the vector steps then rotate it from there."""
+    zero = _zero(scratch)
+    n = np.uint64(d)
+    total = sum_of_squares(x, xb, n)
+    factor = (zero + np.float32(1.0)) / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
+    scale_row(x, xb, n, factor, weight, scratch)
+
+
 @njit(inline="always")
 def _scaled(x, i, factor, weight):
     """x[i] normalized: times the row's inverse RMS and the weight of feature i."""
@@ -183,23 +195,35 @@ def _copy_rows(x, xr, o, orow, first, end):
 @njit(inline="always")
 def _token(
     t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
-    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
-    vector,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, scratch,
 ):  # fmt: skip
     """Token t: each head of q into the result, and, unless its slot is negative (padding),
     each head of k and v into the caches. ``vector``: bit 0, q's rows take the vector steps;
-    bit 1, k's and v's (see launch)."""
+    bit 1, k's and v's (see launch). A normalized row takes them from ``scratch`` (d elements
+    of the compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
+    multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
+    Numba does not inline.)"""
+    eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     c, s = cos[row], sin[row]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
     n = np.uint64(rotary_dim)
+    zero = np.uint64(0)
     # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
     # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
     # pair of reference-count calls (atomic) per array.
     for head in range(hq):
         xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
         ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
-        if vector & 1:
+        if vector & 1 and q_weight.shape[0]:
+            _normalized(q, xb, d, q_weight, eps, scratch)
+            if half_style:
+                _HALF_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+            else:
+                _PAIR_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+            for j in range(rotary_dim, d):
+                store(qo, ob + np.uint64(j), scratch[j])
+        elif vector & 1:
             if half_style:
                 _HALF_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
             else:
@@ -217,7 +241,16 @@ def _token(
         cb = np.uint64(kcs[0] + page * kcs[1] + offset * kcs[2] + head * kcs[3])
         vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
         vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
-        if vector & 2:
+        if vector & 2 and k_weight.shape[0]:
+            _normalized(k, kb, d, k_weight, eps, scratch)
+            if half_style:
+                _HALF_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+            else:
+                _PAIR_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+            for j in range(rotary_dim, d):
+                store(kc, cb + np.uint64(j), scratch[j])
+            _copy_rows(v, vb, vc, vcb, 0, d)
+        elif vector & 2:
             if half_style:
                 _HALF_ROW(k, kb, kc, cb, n, cos, sin, tb, inverse)
             else:
@@ -231,6 +264,14 @@ def _token(
             _copy(v[vb:], vc[vcb:], d, v_multiplier)
 
 
+@njit(inline="always")
+def _scratch(q_weight, k_weight, tasks, d):
+    """A row of the compute dtype (the weights') for each task, where a norm needs one: d
+    rounded up to a multiple of 8 (see _simd.scale_row)."""
+    row = (d + 7) // 8 * 8 if q_weight.shape[0] or k_weight.shape[0] else 0
+    return np.empty((tasks, row), q_weight.dtype)
+
+
 # fused_range and fused_parallel are compiled only into fused_step (_fused_launch), which the
 # disk cache keeps; they are not cached themselves. A cached function compiled over a parallel
 # callee that was loaded from the cache calls it at an address that a later process, loading
@@ -239,32 +280,31 @@ def _token(
 @njit(nogil=True)
 def fused_range(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
-    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
-    vector, first, stop,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, first, stop,
 ):  # fmt: skip
     """Tokens first..stop-1 on one thread. The int64 ``qs`` (and ``qos``, ``ks``, ``vs``) hold
     the operand's element offset, token stride and head stride; the caches' ``kcs`` and
     ``vcs`` the offset and the block, offset-in-block and head strides."""
+    scratch = _scratch(q_weight, k_weight, 1, d)[0]
     for t in range(first, stop):
         _token(
             t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq,
-            hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier,
-            v_multiplier, vector,
+            hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, scratch,
         )  # fmt: skip
 
 
 @njit(parallel=True)
 def fused_parallel(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
-    rotary_dim, d, half_style, inverse, q_weight, k_weight, eps, k_multiplier, v_multiplier,
-    vector, tasks, total,
+    rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, tasks, total,
 ):  # fmt: skip
     """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads."""
+    scratch = _scratch(q_weight, k_weight, tasks, d)
     for task in prange(tasks):
         t = np.int64(task)
         for token in range(total * t // tasks, total * (t + 1) // tasks):
             _token(
                 token, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin,
-                block, hq, hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, eps,
-                k_multiplier, v_multiplier, vector,
+                block, hq, hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers,
+                vector, scratch[task],
             )  # fmt: skip

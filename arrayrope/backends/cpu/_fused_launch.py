@@ -174,7 +174,7 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
         qf, of, kf, vf, kcf, vcf, qs, os_, _strides(k, kb, 0, 1, -1), _strides(v, vb, 0, 1, -1),
         _strides(kc, kcb, 0, offset, heads), _strides(vc, vcb, 0, offset, heads), slots, rows,
         cos, sin, block, hq, k.shape[1], rotary_dim, d, half_style != 0, False, q_weight,
-        k_weight, numbers[0], numbers[1], numbers[2], vector,
+        k_weight, numbers, vector,
     )  # fmt: skip
     if tasks:
         fused_parallel(*args, tasks, n)
@@ -238,21 +238,22 @@ def bits_of(dtype):
     return {"float16": np.int16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype.name)
 
 
-def layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin):
+def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
     """The vector steps the layouts allow, where the targets' addresses are 16-byte aligned
     (fused_step checks those): bit 0 for q's rows, bit 1 for k's and v's."""
-    vector = int(_vector(spec, q, (out,), q_weight, cos, sin))
-    return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), k_weight, cos, sin, v))
+    vector = int(_vector(spec, q, (out,), cos, sin))
+    return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), cos, sin, v))
 
 
-def _vector(spec, x, targets, weight, cos, sin, other=None):
-    """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``: no norm,
-    targets of x's dtype, and what the direct path needs (see backends.cpu.direct_path): a pair
-    block and tail of whole 16 bytes, 16-byte strides between target rows, unit-stride table
-    rows, and float16 converted by the CPU."""
+def _vector(spec, x, targets, cos, sin, other=None):
+    """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``:
+    targets of x's dtype (no float8 cache), and what the direct path needs (see
+    backends.cpu.direct_path): a pair block and tail of whole 16 bytes, 16-byte strides
+    between target rows, unit-stride table rows, and float16 converted by the CPU. Normalized
+    rows take them too, from a row of the compute dtype (see _fused._token)."""
     item = x.itemsize
     block = spec.rotary_dim // 2 if spec.half_style else spec.rotary_dim
-    if weight.size or (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
+    if (block * item) % 16 or ((x.shape[-1] - spec.rotary_dim) * item) % 16:
         return False
     if x.dtype == np.float16 and not HARDWARE_F16:
         return False
@@ -315,7 +316,7 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
     """Run the step over every token, on Numba's threads where it is large. The caller has
     checked every argument (see _kv_cache); ``numbers``: eps and the caches' multipliers, of
     the compute dtype."""
-    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, q_weight, k_weight, cos, sin)
+    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin)
     args = (
         *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
         q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),

@@ -315,11 +315,11 @@ def _pair_step(nbytes, nontemporal, aligned=True):
     """An intrinsic's definition (typing, then codegen) of a step rotating the pairs (2j, 2j + 1) in
     the ``nbytes`` of o from o[oa] on (None: one pair): x read from x[xa], tables from cos[t],
     sin[t]. _interleaved_pairs's arithmetic, in vectors, by :func:`_interleaved_codegen`, or
-    :func:`_bfloat16_codegen` where o holds bfloat16 bits (uint16). It stores as _stream_lanes's
-    ``nontemporal`` and ``aligned`` say."""
+    :func:`_bfloat16_codegen` where x and o hold bfloat16 bits (uint16). It stores as
+    _stream_lanes's ``nontemporal`` and ``aligned`` say."""
 
     def step(typingctx, x, xa, o, oa, cos, sin, t, inverse):
-        if o.dtype == types.uint16:
+        if o.dtype == types.uint16 and x.dtype == types.uint16:
             codegen = _bfloat16_codegen(nbytes, nontemporal, aligned)
         else:
             lanes = 2 if nbytes is None else _lanes_of(o, nbytes)
@@ -527,3 +527,82 @@ def copy_element(typingctx, x, xa, o, oa):
         return context.get_dummy_value()
 
     return types.void(x, xa, o, oa), codegen
+
+
+# The QK-norm of the fused step (see _fused): a row's sum of squares and its scaling, eight
+# elements at a time, the last group through masked loads (its other lanes zero).
+_NORM_LANES = 8
+
+
+def _compute_type(dtype):
+    return types.float64 if dtype == types.float64 else types.float32
+
+
+def _groups(builder, d, body):
+    """``body(j, mask)`` for j = 0, 8, ... below ``d``: mask None for whole groups, then a vector
+    of i1 that sets the lanes below d for a last partial group."""
+    whole = builder.and_(d, d.type(-_NORM_LANES))
+    with cgutils.for_range_slice(builder, d.type(0), whole, d.type(_NORM_LANES), intp=d.type) as (
+        j,
+        _,
+    ):
+        body(j, None)
+    left = builder.sub(d, whole)
+    with builder.if_then(builder.icmp_unsigned("!=", left, d.type(0)), likely=False):
+        lanes = _from(builder, d.type(0), _NORM_LANES)
+        body(whole, builder.icmp_unsigned("<", lanes, _broadcast(builder, left, _NORM_LANES)))
+
+
+@intrinsic
+def sum_of_squares(typingctx, x, xr, d):
+    """The sum of the squares of the ``d`` elements of x from flat offset ``xr``, in the compute
+    type, in _fused._inverse_rms's order: element j into partial sum j % 8 (one lane of a
+    vector of eight), the eight then added ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))."""
+    compute = _compute_type(x.dtype)
+
+    def codegen(context, builder, signature, args):
+        x_, xr_, d_ = args
+        vector = ir.VectorType(context.get_value_type(compute), _NORM_LANES)
+        total = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+
+        def add(j, mask):
+            v = _load_lanes(
+                context, builder, signature.args[0], x_, builder.add(xr_, j), _NORM_LANES, mask
+            )
+            builder.store(builder.fadd(builder.load(total), builder.fmul(v, v)), total)
+
+        _groups(builder, d_, add)
+        sums = builder.load(total)
+        s = [builder.extract_element(sums, ir.IntType(32)(i)) for i in range(_NORM_LANES)]
+        low = builder.fadd(builder.fadd(s[0], s[1]), builder.fadd(s[2], s[3]))
+        high = builder.fadd(builder.fadd(s[4], s[5]), builder.fadd(s[6], s[7]))
+        return builder.fadd(low, high)
+
+    return compute(x, xr, d), codegen
+
+
+@intrinsic
+def scale_row(typingctx, x, xr, d, factor, weight, scratch):
+    """scratch[j] = x[xr + j] * factor * weight[j] for j < d, in the compute type (scratch's,
+    the weight's and factor's), each as _fused._scaled makes it. scratch holds d rounded up to
+    a multiple of 8: a last partial group is stored whole."""
+
+    def codegen(context, builder, signature, args):
+        x_, xr_, d_, factor_, weight_, scratch_ = args
+        tys = signature.args
+        out = context.make_array(tys[5])(context, builder, scratch_).data
+        vector = ir.VectorType(factor_.type, _NORM_LANES)
+        scale = _broadcast(builder, factor_, _NORM_LANES)
+
+        def put(j, mask):
+            v = _load_lanes(context, builder, tys[0], x_, builder.add(xr_, j), _NORM_LANES, mask)
+            w = _load_lanes(context, builder, tys[4], weight_, j, _NORM_LANES, mask)
+            at = builder.bitcast(builder.gep(out, [j]), vector.as_pointer())
+            builder.store(
+                builder.fmul(builder.fmul(v, scale), w), at, align=tys[5].dtype.bitwidth // 8
+            )
+
+        _groups(builder, d_, put)
+        return context.get_dummy_value()
+
+    return types.void(x, xr, d, factor, weight, scratch), codegen
