@@ -135,6 +135,8 @@ class Engine:
                 if type(pos) is type(x):  # positions of the same kind, viewed alike
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
+                elif _interop.traced_beside(pos, x):
+                    raise _interop.traced_beside_error("x", x)
                 if out is None:
                     if new is not None and not _interop.jax_traced(pos):
                         (out,) = new(native)
@@ -163,10 +165,13 @@ class Engine:
             found = None if adopt is None else (adopt(q), adopt(k))
             if found is not None and found[0] is not None and found[1] is not None:
                 kind = type(q)
+                q_given = q
                 (q, new, back), (k, _, _) = found  # torch or JAX arrays on the CPU, as NumPy
                 if type(pos) is kind:
                     found = adopt(pos)
                     pos = pos if found is None else found[0]
+                elif _interop.traced_beside(pos, q_given):
+                    raise _interop.traced_beside_error("q", q_given)
                 out = None if new is None or _interop.jax_traced(pos) else new(q, k)
                 q_rot, k_rot = self.rotate_qk(q, k, pos, inverse, out, backend, seq_len)
                 return back(q_rot), back(k_rot)

@@ -217,6 +217,24 @@ def jax_ops():
     return _jax_ops
 
 
+def traced_beside(pos, x):
+    """Whether ``pos`` is a traced JAX array and ``x`` an array of another framework (a torch
+    tensor): a JAX program cannot rotate it."""
+    return (
+        pos is not None
+        and type(pos) not in (int, np.ndarray)
+        and jax_traced(pos)
+        and _framework(x) not in ("jax", "jaxlib")
+    )
+
+
+def traced_beside_error(name, x):
+    return RopeTypeError(
+        f"pos is a traced JAX array and {name} a {_framework(x)} array: inside jax.jit, grad or "
+        f"vmap, pass {name} as a JAX array too (jnp.asarray)"
+    )
+
+
 def jax_traced(*arrays):
     """Whether one of ``arrays`` is a JAX tracer (an array inside jit, grad, vmap, ...)."""
     jax = sys.modules.get("jax")

@@ -32,6 +32,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _arrays, _interop, _registry
 from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
+from ._positions import check_values
 
 _TARGET = "arrayrope_rotate"
 
@@ -378,10 +379,10 @@ def _positions(pos):
         return "none", None, ()
     if isinstance(pos, bool):
         raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
-    if isinstance(pos, (int, np.integer)):
-        return "int", int(pos), ()
-    if isinstance(pos, (float, np.floating)):
-        return "float", float(pos), ()
+    if isinstance(pos, (int, np.integer, float, np.floating)):  # checked here, not in the run
+        kind = "int" if isinstance(pos, (int, np.integer)) else "float"
+        check_values(np.asarray(pos).reshape(1))
+        return kind, int(pos) if kind == "int" else float(pos), ()
     if not hasattr(pos, "shape"):
         raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
     return "array", None, (jnp.asarray(pos),)

@@ -231,7 +231,7 @@ def _tensor_class(x):
     return type(x) if type(x).__module__ == "torch" else _Tensor
 
 
-def _check_node(x, pos, out):
+def _check_node(x, pos, out, k=None):
     """The checks of positions and outputs that raise arrayrope's errors, made where Dynamo
     traces: raised inside a graph node, they would reach the caller as torch's
     TorchRuntimeError."""
@@ -243,6 +243,46 @@ def _check_node(x, pos, out):
     elif out is not None:
         _writable("out[0]", out[0])
         _writable("out[1]", out[1])
+    if not _exporting():
+        _refuse_negative(tensor, x, pos, out, k)
+
+
+def _refuse_negative(tensor, x, pos, out, k=None):
+    """Refuse, where Dynamo traces, a tensor (of class ``tensor``: see :func:`rotate`) with
+    torch's negative bit, which torch.compile drops from the tensors a compiled function reads
+    (pytorch/pytorch#145093, torch's own t * 2 too): the result would have the opposite
+    sign."""
+    named = {"x" if k is None else "q": x, "k": k, "pos": pos}
+    if isinstance(out, tensor):
+        named["out"] = out
+    elif out is not None:
+        named["out[0]"], named["out[1]"] = out
+    for name, t in named.items():
+        if isinstance(t, tensor) and _negative(t):
+            _raise_negative(name)
+
+
+_NEGATIVE = (
+    "has torch's negative bit (a lazy negation, as z.conj().imag makes), which torch.compile "
+    "drops from the tensors a compiled function reads (pytorch/pytorch#145093): the result "
+    "would have the opposite sign"
+)
+
+
+@torch.compiler.disable(reason=f"arrayrope: a tensor {_NEGATIVE}. Pass t.resolve_neg()")
+def _raise_negative(name):
+    """The refusal of :func:`_refuse_negative`, raised outside Dynamo's trace (a graph break;
+    with fullgraph, Dynamo's error gives the reason): raised inside it, Dynamo would trace
+    arrayrope's inner functions on their own, without the bit, and compile them."""
+    raise RopeValueError(f"{name} {_NEGATIVE}. Pass {name}.resolve_neg()")
+
+
+@torch.compiler.assume_constant_result
+def _negative(t):
+    """Whether ``t`` has torch's negative bit; where Dynamo traces, read as a constant of the
+    graph (Dynamo traces no is_neg(); its guards on a tensor's dispatch keys compile the call
+    again for a tensor with the other answer)."""
+    return t.is_neg()
 
 
 def _node_arguments(tensor, pos, inverse, backend, seq_len, out):
@@ -303,7 +343,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
         elif isinstance(k, tensor := _tensor_class(q)) and _node_arguments(
             tensor, pos, inverse, backend, seq_len, out
         ):
-            _check_node(q, pos, out)
+            _check_node(q, pos, out, k)
             return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
     return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
 

@@ -138,6 +138,22 @@ def test_errors_under_jit():
         jax.grad(lambda p: ROPE.rotate(x, p).sum())(pos.astype(jnp.float32))
     with pytest.raises(Exception, match="RopeValueError: pos"):  # a value only the run sees
         jax.jit(lambda t, p: ROPE.rotate(t, p))(x, -pos - 1).block_until_ready()
+    for scalar in (-1, 2**31, float("nan"), -0.5):  # values the trace sees: refused there
+        with pytest.raises(RopeValueError, match="pos must be"):
+            jax.jit(lambda t, s=scalar: ROPE.rotate(t, s))(x)
+
+
+def test_arrays_of_another_framework_beside_traced_positions_are_refused():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    x, pos = _data()
+    t = torch.from_numpy(np.asarray(x).copy())
+    for call in (
+        lambda p: ROPE.rotate(t, p),
+        lambda p: ar.rotate(t, p),
+        lambda p: ROPE.rotate_qk(t, t, p),
+    ):
+        with pytest.raises(RopeTypeError, match="traced JAX array and [xq] a torch"):
+            jax.jit(call)(pos)
 
 
 @settings(max_examples=30, deadline=None)

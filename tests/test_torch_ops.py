@@ -500,6 +500,51 @@ def test_transforms_inside_compile_equal_eager():
             torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
 
+def _negative_view(shape):
+    """A writable float64 tensor of zeros with torch's negative bit: a view of a complex one."""
+    view = torch.zeros(shape, dtype=torch.complex128).conj().imag
+    assert view.is_neg()
+    return view
+
+
+def test_a_negative_bit_under_compile_is_refused_not_flipped():
+    # torch.compile reads a tensor with the negative bit by its stored values, the opposite
+    # of its own (pytorch/pytorch#145093, torch's t * 2 too): refused on every compiled route
+    # (where Dynamo traces, and where AOTAutograd traces a frame Dynamo compiles on its own),
+    # never rotated with the wrong sign; eager calls and torch.export resolve the bit
+    x = torch.randn(1, 2, 4, 16, dtype=torch.float64)
+    negated = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert negated.is_neg() and torch.equal(negated, x)
+    pos = torch.arange(4)
+    want = _numpy_rotate(ROPE, x, pos)
+    torch.testing.assert_close(ROPE.rotate(negated, pos), want, rtol=0, atol=0)
+    neg_pos = torch.complex(torch.zeros(4, dtype=torch.float64), -pos.double()).conj().imag
+    cases = [
+        ("x", lambda t, p: ROPE.rotate(t, p), (negated, pos)),
+        ("x", lambda t, p: ROPE.rotate(t, 3), (negated, pos)),  # the lowered small call too
+        ("q", lambda t, p: ROPE.rotate_qk(t, x, p), (negated, pos)),
+        ("k", lambda t, p: ROPE.rotate_qk(x, t, p), (negated, pos)),
+        ("pos", lambda t, p: ROPE.rotate(x, p), (x, neg_pos)),
+        ("out", lambda t, p: ROPE.rotate(x, p, out=t), (_negative_view(x.shape), pos)),
+    ]
+    for name, fn, args in cases:
+        # with fullgraph, Dynamo's Unsupported (the refusal is a graph break) gives the reason
+        refusals = ((False, RopeValueError, rf"{name}\.resolve_neg\(\)"),
+                    (True, dynamo.exc.Unsupported, r"t\.resolve_neg\(\)"))  # fmt: skip
+        for fullgraph, error, message in refusals:
+            dynamo.reset()
+            with pytest.raises(error, match=message):
+                torch.compile(fn, fullgraph=fullgraph)(*args)
+
+    class Step(torch.nn.Module):
+        def forward(self, t, p):
+            return ROPE.rotate(t, p)
+
+    dynamo.reset()
+    exported = torch.export.export(Step(), (negated, pos)).module()
+    torch.testing.assert_close(exported(negated, pos), want, rtol=0, atol=0)
+
+
 def test_refusals_under_compile_are_arrayropes_errors():
     # checked where Dynamo traces: inside the graph node they would be torch's errors
     x = torch.randn(1, 2, 4, 16)
@@ -679,6 +724,24 @@ def test_rotate_into_cache_on_cpu_tensors_with_norm_and_float8_caches():
     got = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **options)
     for a, b in zip((got, k_cache, v_cache), want):
         assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_opcheck_passes_for_the_fused_steps_operators(dtype, norm):
+    from arrayrope._torch_library import ops
+
+    q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(dtype, 3)
+    weight = torch.linspace(0.5, 1.5, 32) if norm else None
+    options = (STEP_ROPE._engine.key, "NHD", weight, weight, 1e-6, None, None, None)
+    head = (q, k, v, pos, None, None, k_cache, v_cache, slots)
+    cases = [
+        (ops.rotate_into_cache.default, (*head, *options)),
+        (ops.rotate_into_cache_out.default, (*head, torch.empty_like(q), *options)),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
