@@ -397,6 +397,11 @@ def rotate_into_cache(key, arrays, options):
     """``RoPE.rotate_into_cache``'s contract for torch tensors, through the operators: an
     inference step, which autograd does not record."""
     q, k, v, pos, k_cache, v_cache, slots, out = arrays
+    if not _compiling() and (_transforms() or _forward_ad._current_level >= 0):
+        raise RopeTypeError(
+            "rotate_into_cache is an inference step, which torch.func transforms (vmap, grad, "
+            "jvp) and forward-mode AD do not take: call it outside them"
+        )
     for name, a in zip(("q", "k", "v"), (q, k, v)):
         if isinstance(a, _Tensor) and a.requires_grad and _grad():
             raise RopeValueError(

@@ -776,6 +776,11 @@ def test_rotate_into_cache_on_fake_tensors_and_its_refusals():
     before = k_cache.clone(), v_cache.clone()
     with pytest.raises(RopeValueError, match="q requires grad.*inference step"):
         STEP_ROPE.rotate_into_cache(q.clone().requires_grad_(), k, v, pos, k_cache, v_cache, slots)
+    step = STEP_ROPE.rotate_into_cache
+    with pytest.raises(RopeTypeError, match="inference step, which torch.func"):
+        torch.func.vmap(lambda a: step(a, k, v, pos, k_cache, v_cache, slots))(q[None])
+    with pytest.raises(RopeTypeError, match="inference step, which torch.func"):
+        torch.func.grad(lambda a: step(a, k, v, pos, k_cache, v_cache, slots).sum())(q)
     negated = torch.zeros(k_cache.shape, dtype=torch.complex64).conj().imag  # a lazy negation
     with pytest.raises(RopeValueError, match="k_cache has torch's negative"):
         STEP_ROPE.rotate_into_cache(q, k, v, pos, negated, v_cache, slots)
