@@ -259,7 +259,8 @@ def fast_adopter(kind):
 
 # A JAX array's result of this many bytes or more is written into memory XLA adopts
 # (jax.device_put of _arrays.empty_for_xla: tens of microseconds, whatever the size); a smaller
-# one is copied into XLA's own, which costs less below it.
+# one goes to XLA through jnp.asarray, which costs less at that size (it copies an array off
+# XLA's alignment).
 JAX_ADOPTS_FROM = 1 << 18
 
 
@@ -269,7 +270,7 @@ def new_for_jax(*likes):
 
 
 def jax_result(result):
-    """A NumPy result as a JAX array: adopted where it is large, copied where it is small."""
+    """A NumPy result (which no one else holds) as a JAX array: see JAX_ADOPTS_FROM."""
     jax = sys.modules["jax"]
     if result.nbytes < JAX_ADOPTS_FROM:
         return jax.numpy.asarray(result)

@@ -46,7 +46,7 @@ def _run(args, rets, entry):
     x, cos, sin = (
         _jax_ops._view(args[i], *_jax_ops._storage(dtypes[i]), True) for i in range(3)
     )  # fmt: skip
-    out = _jax_ops._view(rets[0], *_jax_ops._storage(dtypes[0]), False)
+    out = _jax_ops._view(rets[0], *_jax_ops._storage(dtypes[0]), False, True)
     _rotate(x, cos, sin, out, _jax_ops._call_ids[entry])
 
 

@@ -32,7 +32,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _arrays, _interop, _registry
 from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
-from ._positions import check_values
+from ._positions import check_int, check_values
 
 _TARGET = "arrayrope_rotate"
 
@@ -152,12 +152,13 @@ class _Memory:
 _views = Bounded(256)
 
 
-def _view(address, dtype, bits, read_only):
+def _view(address, dtype, bits, read_only, result=False):
     """The XLA buffer whose descriptor is at ``address`` as a NumPy array (row-major, as XLA
-    lays out custom-call operands by default) of ``dtype``."""
+    lays out custom-call operands by default) of ``dtype``. A ``result`` the kernel writes in
+    full is first advised to huge pages (see _arrays.advise_huge_pages)."""
     buffer = _Buffer.from_address(address)
     data, shape = buffer.data or 0, tuple(buffer.dims[: buffer.rank])
-    if not read_only:
+    if result:
         _arrays.advise_huge_pages(data, math.prod(shape) * bits.itemsize)
     key = (data, shape, dtype, read_only)
     view = _views.get(key)
@@ -226,7 +227,7 @@ def _handle(frame_pointer):
         args = frame.args.items
         rets = frame.rets.items
         xs = tuple(_view(args[i], dtype, bits, True) for i in range(operands))
-        outs = tuple(_view(rets[i], dtype, bits, False) for i in range(operands))
+        outs = tuple(_view(rets[i], dtype, bits, False, True) for i in range(operands))
         if kind == "array":
             code = _Buffer.from_address(args[operands]).dtype
             pos = _view(args[operands], _POSITION_DTYPES[code], _POSITION_DTYPES[code], True)
@@ -379,10 +380,11 @@ def _positions(pos):
         return "none", None, ()
     if isinstance(pos, bool):
         raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
-    if isinstance(pos, (int, np.integer, float, np.floating)):  # checked here, not in the run
-        kind = "int" if isinstance(pos, (int, np.integer)) else "float"
-        check_values(np.asarray(pos).reshape(1))
-        return kind, int(pos) if kind == "int" else float(pos), ()
+    if isinstance(pos, (int, np.integer)):  # scalars checked here, not in the run
+        return "int", check_int(int(pos)), ()
+    if isinstance(pos, (float, np.floating)):
+        check_values(np.array([pos], np.float64))
+        return "float", float(pos), ()
     if not hasattr(pos, "shape"):
         raise RopeTypeError(f"pos must be an int, a float, an array or None, got {pos!r}")
     return "array", None, (jnp.asarray(pos),)

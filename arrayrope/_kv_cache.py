@@ -351,8 +351,9 @@ def rotate_into_cache(
         _resolved(_on_host(pos), spec.n_axes)  # checked all the same
         return out
     cos, sin, rows = _rows(self, _on_host(pos), n, dtype, seq_len)
-    q_weight = q_weight.astype(dtype, copy=False) if q_weight.size else no_weight(dtype)
-    k_weight = k_weight.astype(dtype, copy=False) if k_weight.size else no_weight(dtype)
+    # unit-stride weights of the compute dtype: the vector steps read them by element offsets
+    q_weight = np.ascontiguousarray(q_weight, dtype) if q_weight.size else no_weight(dtype)
+    k_weight = np.ascontiguousarray(k_weight, dtype) if k_weight.size else no_weight(dtype)
     # inputs the kernel cannot address as they are go through a copy
     addressable = [_arrays.addressable(a, family) for a in (q, k, v)]
     q, k, v = (a if fit else a.copy() for a, fit in zip((q, k, v), addressable))

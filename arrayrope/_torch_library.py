@@ -99,6 +99,7 @@ def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len, targ
 def _check(key, xs):
     """The checks a fake kernel can make: what the result's shape and dtype depend on (and,
     for a module-level call of a known head size, that its RoPE can be made)."""
+    refuse_negative(dict(zip(("x",) if len(xs) == 1 else ("q", "k"), xs)))
     head_dim = xs[0].shape[-1]
     if key >= 0 or type(head_dim) is int:
         head_dim = _engine(key, head_dim).spec.head_dim
@@ -114,8 +115,27 @@ def _check(key, xs):
             )
 
 
+def refuse_negative(named):
+    """Under torch.compile (not torch.export), refuse a tensor among ``named`` ({name: tensor or
+    anything else}) with torch's negative bit, which torch.compile drops from the tensors a
+    compiled function reads (pytorch/pytorch#145093, torch's own t * 2 too): the result would
+    have the opposite sign. Checked where a call's tensors are fake (Dynamo's run of a graph
+    node, a fake kernel), which keep the bit."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.is_neg():
+            raise RopeValueError(
+                f"{name} has torch's negative bit (a lazy negation, as z.conj().imag makes), "
+                "which torch.compile drops from the tensors a compiled function reads "
+                f"(pytorch/pytorch#145093): the result would have the opposite sign. Pass "
+                f"{name}.resolve_neg()"
+            )
+
+
 def _check_step(q):
     """What a fake rotate_into_cache can check: the result's shape and dtype."""
+    refuse_negative({"q": q})
     if q.ndim != 3:
         raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {tuple(q.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

@@ -22,7 +22,13 @@ from . import _torch_lowered
 from ._errors import RopeTypeError, RopeValueError
 from ._kv_layout import check_layout
 from ._spec import check_inverse
-from ._torch_library import _Rotate, _RotateQK, ops, shared_key  # noqa: F401 - shared_key: _api
+from ._torch_library import (  # noqa: F401 - shared_key: _api
+    _Rotate,
+    _RotateQK,
+    ops,
+    refuse_negative,
+    shared_key,
+)
 
 _Tensor = torch.Tensor
 
@@ -243,46 +249,6 @@ def _check_node(x, pos, out, k=None):
     elif out is not None:
         _writable("out[0]", out[0])
         _writable("out[1]", out[1])
-    if not _exporting():
-        _refuse_negative(tensor, x, pos, out, k)
-
-
-def _refuse_negative(tensor, x, pos, out, k=None):
-    """Refuse, where Dynamo traces, a tensor (of class ``tensor``: see :func:`rotate`) with
-    torch's negative bit, which torch.compile drops from the tensors a compiled function reads
-    (pytorch/pytorch#145093, torch's own t * 2 too): the result would have the opposite
-    sign."""
-    named = {"x" if k is None else "q": x, "k": k, "pos": pos}
-    if isinstance(out, tensor):
-        named["out"] = out
-    elif out is not None:
-        named["out[0]"], named["out[1]"] = out
-    for name, t in named.items():
-        if isinstance(t, tensor) and _negative(t):
-            _raise_negative(name)
-
-
-_NEGATIVE = (
-    "has torch's negative bit (a lazy negation, as z.conj().imag makes), which torch.compile "
-    "drops from the tensors a compiled function reads (pytorch/pytorch#145093): the result "
-    "would have the opposite sign"
-)
-
-
-@torch.compiler.disable(reason=f"arrayrope: a tensor {_NEGATIVE}. Pass t.resolve_neg()")
-def _raise_negative(name):
-    """The refusal of :func:`_refuse_negative`, raised outside Dynamo's trace (a graph break;
-    with fullgraph, Dynamo's error gives the reason): raised inside it, Dynamo would trace
-    arrayrope's inner functions on their own, without the bit, and compile them."""
-    raise RopeValueError(f"{name} {_NEGATIVE}. Pass {name}.resolve_neg()")
-
-
-@torch.compiler.assume_constant_result
-def _negative(t):
-    """Whether ``t`` has torch's negative bit; where Dynamo traces, read as a constant of the
-    graph (Dynamo traces no is_neg(); its guards on a tensor's dispatch keys compile the call
-    again for a tensor with the other answer)."""
-    return t.is_neg()
 
 
 def _node_arguments(tensor, pos, inverse, backend, seq_len, out):
@@ -316,6 +282,8 @@ def _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len):
 
 
 def _rotate(key, x, pos, inverse, out, backend, seq_len):
+    if _compiling() and not _dynamo_tracing():  # where Dynamo runs the graph node on fakes
+        refuse_negative({"x": x, "pos": pos, "out": out})
     tensor, as_int, as_float = _split_positions(pos, x)
     tail = (tensor, as_int, as_float, key, check_inverse(inverse), backend, _seq_len(seq_len))
     if out is None:
@@ -349,6 +317,9 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
 
 
 def _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
+    if _compiling() and not _dynamo_tracing():
+        pair = out if isinstance(out, (tuple, list)) and len(out) == 2 else (None, None)
+        refuse_negative({"q": q, "k": k, "pos": pos, "out[0]": pair[0], "out[1]": pair[1]})
     if not isinstance(k, _Tensor):
         raise RopeTypeError(f"q and k must both be torch tensors, got k of {type(k).__name__}")
     tensor, as_int, as_float = _split_positions(pos, q)

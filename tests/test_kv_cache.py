@@ -182,6 +182,26 @@ def test_normed_rows_in_vector_steps_have_the_row_loops_bits(dtype, style, d, ro
         assert np.array_equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=str)
+def test_strided_norm_weights_are_read_by_their_elements(dtype, rng):
+    # weights as views of a larger array (every other element, reversed, a column): the same
+    # bits as the same weights made contiguous
+    n, hq, hkv, d = 5, 4, 2, 64
+    rope = ar.RoPE(d, style="half")
+    q, k, v = _qkv(rng, n, hq, hkv, d, dtype, True)
+    table = rng.uniform(0.5, 1.5, (2 * d, 3)).astype(np.float32)
+    slots, pos = rng.permutation(12)[:n], rng.integers(0, 10**6, n)
+    for q_w, k_w in ((table[::2, 0], table[::-2, 1]), (table[:d, 2], table[d:, 0][::-1])):
+        results = []
+        for weights in ((q_w, k_w), (q_w.copy(), k_w.copy())):
+            k_cache, v_cache = np.zeros((3, 4, hkv, d), dtype), np.zeros((3, 4, hkv, d), dtype)
+            got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots,
+                                         q_norm=weights[0], k_norm=weights[1])  # fmt: skip
+            results.append((got, k_cache))
+        for a, b in zip(*results):
+            assert np.array_equal(bits(a), bits(b))
+
+
 def _rms64(x, weight, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
