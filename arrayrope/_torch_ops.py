@@ -237,7 +237,7 @@ def _tensor_class(x):
     return type(x) if type(x).__module__ == "torch" else _Tensor
 
 
-def _check_node(x, pos, out, k=None):
+def _check_node(x, pos, out):
     """The checks of positions and outputs that raise arrayrope's errors, made where Dynamo
     traces: raised inside a graph node, they would reach the caller as torch's
     TorchRuntimeError."""
@@ -311,7 +311,7 @@ def rotate_qk(key, q, k, pos, inverse, out, backend, seq_len):
         elif isinstance(k, tensor := _tensor_class(q)) and _node_arguments(
             tensor, pos, inverse, backend, seq_len, out
         ):
-            _check_node(q, pos, out, k)
+            _check_node(q, pos, out)
             return _rotate_qk_node(key, q, k, pos, inverse, out, backend, seq_len)
     return _rotate_qk(key, q, k, pos, inverse, out, backend, seq_len)
 
