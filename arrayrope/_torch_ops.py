@@ -253,9 +253,9 @@ def _check_node(x, pos, out):
 
 def _node_arguments(tensor, pos, inverse, backend, seq_len, out):
     """Whether a call's arguments other than its tensors (of class ``tensor``) are ones a graph
-    node holds: None, an int, a bool or a str where the call has them (else it is traced as
-    written, and refused there if it must be)."""
-    if not (pos is None or type(pos) is int or isinstance(pos, tensor)):
+    node holds: None, an int, a float, a bool or a str where the call has them (else it is
+    traced as written, and refused there if it must be)."""
+    if not (pos is None or type(pos) in (int, float) or isinstance(pos, tensor)):
         return False
     if type(inverse) is not bool or type(backend) is not str:
         return False

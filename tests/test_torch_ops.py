@@ -509,8 +509,8 @@ def _negative_view(shape):
 
 def test_a_negative_bit_under_compile_is_refused_not_flipped():
     # torch.compile reads a tensor with the negative bit by its stored values, the opposite
-    # of its own (pytorch/pytorch#145093, torch's t * 2 too): refused on the graph-node route
-    # (tensor, int or no positions), never rotated with the wrong sign; eager calls and
+    # of its own (pytorch/pytorch#145093, torch's t * 2 too): rotate and rotate_qk refuse it
+    # (the graph-node route), never rotate it with the wrong sign; eager calls and
     # torch.export resolve the bit
     x = torch.randn(1, 2, 4, 16, dtype=torch.float64)
     negated = torch.complex(torch.zeros_like(x), -x).conj().imag
@@ -522,6 +522,7 @@ def test_a_negative_bit_under_compile_is_refused_not_flipped():
     cases = [
         ("x", lambda t, p: ROPE.rotate(t, p), (negated, pos)),
         ("x", lambda t, p: ROPE.rotate(t, 3), (negated, pos)),  # the lowered small call too
+        ("x", lambda t, p: ROPE.rotate(t, 2.5), (negated, pos)),
         ("q", lambda t, p: ROPE.rotate_qk(t, x, p), (negated, pos)),
         ("k", lambda t, p: ROPE.rotate_qk(x, t, p), (negated, pos)),
         ("pos", lambda t, p: ROPE.rotate(x, p), (x, neg_pos)),
