@@ -12,7 +12,7 @@ import torch
 
 from . import _given
 from ._errors import RopeTypeError, RopeValueError
-from ._torch_library import _NAMESPACE, _native, _new
+from ._torch_library import _NAMESPACE, _native, _new, negative_node
 
 _SCHEMA = (
     "apply_cos_sin(Tensor x, Tensor cos, Tensor sin, str style, int rotary_dim, bool inverse, "
@@ -212,6 +212,14 @@ def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, bac
             raise RopeTypeError(f"{name} must be a torch tensor like x, got {type(t).__name__}")
         if t.device != xs[0].device:
             raise RopeValueError(f"{name} is on {t.device} and x on {xs[0].device}")
+    if torch.compiler.is_dynamo_compiling():
+        named = {"x" if len(xs) == 1 else "q": xs[0], "cos": cos, "sin": sin}
+        if len(xs) == 2:
+            named["k"] = xs[1]
+        for i, out in enumerate(outs or ()):
+            named["out" if len(xs) == 1 else f"out[{i}]"] = out
+        named = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
+        negative_node(tuple(named), tuple(named.values()))
     rotary_dim = xs[0].shape[-1] if rotary_dim is None else rotary_dim
     args = (style, int(rotary_dim), bool(inverse), head_axis, backend)
     transformed = not torch.compiler.is_compiling() and (

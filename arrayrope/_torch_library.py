@@ -99,7 +99,6 @@ def _run(key, xs, pos, pos_int, pos_float, inverse, outs, backend, seq_len, targ
 def _check(key, xs):
     """The checks a fake kernel can make: what the result's shape and dtype depend on (and,
     for a module-level call of a known head size, that its RoPE can be made)."""
-    refuse_negative(dict(zip(("x",) if len(xs) == 1 else ("q", "k"), xs)))
     head_dim = xs[0].shape[-1]
     if key >= 0 or type(head_dim) is int:
         head_dim = _engine(key, head_dim).spec.head_dim
@@ -119,8 +118,8 @@ def refuse_negative(named):
     """Under torch.compile (not torch.export), refuse a tensor among ``named`` ({name: tensor or
     anything else}) with torch's negative bit, which torch.compile drops from the tensors a
     compiled function reads (pytorch/pytorch#145093, torch's own t * 2 too): the result would
-    have the opposite sign. Checked where a call's tensors are fake (Dynamo's run of a graph
-    node, a fake kernel), which keep the bit."""
+    have the opposite sign. Checked in a graph node (see :func:`negative_node`), which Dynamo
+    runs on fake tensors that keep the bit (an operator's fake kernel gets them resolved)."""
     if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return
     for name, t in named.items():
@@ -133,9 +132,17 @@ def refuse_negative(named):
             )
 
 
+@torch.compiler.allow_in_graph
+def negative_node(names, tensors):
+    """A graph node that refuses, where Dynamo runs it on fake tensors (which keep torch's
+    negative bit: see refuse_negative), any of ``tensors`` with the bit; its result (empty)
+    is unused. For the calls that reach an operator with no node of their own."""
+    refuse_negative(dict(zip(names, tensors)))
+    return tensors[0].new_empty(0)
+
+
 def _check_step(q):
     """What a fake rotate_into_cache can check: the result's shape and dtype."""
-    refuse_negative({"q": q})
     if q.ndim != 3:
         raise RopeValueError(f"q must have shape (N, Hq, head_dim), got {tuple(q.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

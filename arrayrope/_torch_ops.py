@@ -25,6 +25,7 @@ from ._spec import check_inverse
 from ._torch_library import (  # noqa: F401 - shared_key: _api
     _Rotate,
     _RotateQK,
+    negative_node,
     ops,
     refuse_negative,
     shared_key,
@@ -368,6 +369,11 @@ def rotate_into_cache(key, arrays, options):
     """``RoPE.rotate_into_cache``'s contract for torch tensors, through the operators: an
     inference step, which autograd does not record."""
     q, k, v, pos, k_cache, v_cache, slots, out = arrays
+    if _dynamo_tracing():
+        named = {"q": q, "k": k, "v": v, "pos": pos, "k_cache": k_cache, "v_cache": v_cache,
+                 "out": out}  # fmt: skip
+        named = {n: t for n, t in named.items() if isinstance(t, _Tensor)}
+        negative_node(tuple(named), tuple(named.values()))
     if not _compiling() and (_transforms() or _forward_ad._current_level >= 0):
         raise RopeTypeError(
             "rotate_into_cache is an inference step, which torch.func transforms (vmap, grad, "

@@ -509,8 +509,8 @@ def _negative_view(shape):
 
 def test_a_negative_bit_under_compile_is_refused_not_flipped():
     # torch.compile reads a tensor with the negative bit by its stored values, the opposite
-    # of its own (pytorch/pytorch#145093, torch's t * 2 too): rotate and rotate_qk refuse it
-    # (the graph-node route), never rotate it with the wrong sign; eager calls and
+    # of its own (pytorch/pytorch#145093, torch's t * 2 too): refused where Dynamo runs a
+    # graph node on fake tensors, never rotated with the wrong sign; eager calls and
     # torch.export resolve the bit
     x = torch.randn(1, 2, 4, 16, dtype=torch.float64)
     negated = torch.complex(torch.zeros_like(x), -x).conj().imag
@@ -535,6 +535,23 @@ def test_a_negative_bit_under_compile_is_refused_not_flipped():
             dynamo.reset()
             with pytest.raises(dynamo.exc.TorchRuntimeError, match=rf"{name}\.resolve_neg\(\)"):
                 torch.compile(fn, fullgraph=fullgraph)(*args)
+
+    # the calls that reach an operator with no node of their own: a node that checks
+    q, k, v, step_pos, k_cache, v_cache, slots = _cache_step_inputs(torch.float32, 4)
+    lazy_q = torch.complex(torch.zeros_like(q), -q).conj().imag
+    cos, sin = ROPE.cos_sin(pos, like=x)
+    others = [
+        ("q", lambda t: STEP_ROPE.rotate_into_cache(t, k, v, step_pos, k_cache, v_cache, slots),
+         lazy_q),
+        ("x", lambda t: ar.apply_cos_sin(t, cos, sin, style="half", rotary_dim=16), negated),
+    ]  # fmt: skip
+    before = k_cache.clone()
+    for name, fn, arg in others:
+        for fullgraph in (False, True):
+            dynamo.reset()
+            with pytest.raises(dynamo.exc.TorchRuntimeError, match=rf"{name}\.resolve_neg\(\)"):
+                torch.compile(fn, fullgraph=fullgraph)(arg)
+    assert torch.equal(k_cache, before)
 
     class Step(torch.nn.Module):
         def forward(self, t, p):
