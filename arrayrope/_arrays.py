@@ -191,9 +191,9 @@ def advise_huge_pages(address, nbytes):
     """Ask Linux to back the whole huge pages inside ``nbytes`` at ``address`` with huge pages,
     as NumPy does for its own arrays of 4 MiB and more. For the results XLA gives a kernel to
     write in full: XLA maps a large one afresh for each call, so writing it in small pages costs
-    more than the rotation (a page fault for each 4 KiB). Advice only: the contents
-    stay. Returns whether the kernel took the advice (not off Linux, below 4 MiB, or on a
-    kernel without transparent huge pages)."""
+    more than the rotation (a page fault for each 4 KiB). Advice only: the contents stay.
+    Returns whether the kernel took the advice (not off Linux, below 4 MiB, or on a kernel
+    without transparent huge pages)."""
     madvise = _madvise() if nbytes >= _HUGE_FROM else None
     if madvise is None:
         return False

@@ -229,6 +229,7 @@ def traced_beside(pos, x):
 
 
 def traced_beside_error(name, x):
+    """The refusal of :func:`traced_beside`."""
     return RopeTypeError(
         f"pos is a traced JAX array and {name} a {_framework(x)} array: inside jax.jit, grad or "
         f"vmap, pass {name} as a JAX array too (jnp.asarray)"
