@@ -56,15 +56,18 @@ def test_jit_matches_the_eager_call_for_each_entry():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_jit_for_other_dtypes(dtype):
-    if dtype == "float64" and not jax.config.jax_enable_x64:
-        pytest.skip("float64 needs jax_enable_x64")
-    x, pos = _data()
-    x = x.astype(dtype)
-    got = jax.jit(lambda x, p: ROPE.rotate(x, p))(x, pos)
-    assert got.dtype == x.dtype
-    np.testing.assert_array_equal(
-        np.asarray(got).view(np.uint16), _expected(ROPE, x, pos).view(np.uint16)
-    )
+    import contextlib
+
+    # float64 arrays exist in JAX with x64 on (here for this test only)
+    with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
+        x, pos = _data()
+        x = x.astype(dtype)
+        assert x.dtype.name == dtype
+        got = jax.jit(lambda x, p: ROPE.rotate(x, p))(x, pos)
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), _expected(ROPE, x, pos).view(np.uint16)
+        )
 
 
 def test_grad_vjp_and_jvp_are_the_transpose_and_the_rotation():
