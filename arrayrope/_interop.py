@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _jax_results
 from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 
@@ -258,26 +258,6 @@ def fast_adopter(kind):
     return found
 
 
-# A JAX array's result of this many bytes or more is written into memory XLA adopts
-# (jax.device_put of _arrays.empty_for_xla: tens of microseconds, whatever the size); a smaller
-# one goes to XLA through jnp.asarray, which costs less at that size (it copies an array off
-# XLA's alignment).
-JAX_ADOPTS_FROM = 1 << 18
-
-
-def new_for_jax(*likes):
-    """The arrays the results for JAX arrays like ``likes`` are written into."""
-    return tuple(_arrays.empty_for_xla(like.shape, like.dtype) for like in likes)
-
-
-def jax_result(result):
-    """A NumPy result (which no one else holds) as a JAX array: see JAX_ADOPTS_FROM."""
-    jax = sys.modules["jax"]
-    if result.nbytes < JAX_ADOPTS_FROM:
-        return jax.numpy.asarray(result)
-    return jax.device_put(result)
-
-
 def _make_fast_adopter(kind):
     framework = kind.__module__.split(".", 1)[0]
     if framework == "torch":
@@ -312,7 +292,8 @@ def _make_fast_adopter(kind):
             # a read-only view of its buffer; a large result is written into memory that XLA
             # adopts as it is (no one else holds it), where a copy would fill fresh pages
             view = np.asarray(a)
-            return view, None if view.nbytes < JAX_ADOPTS_FROM else new_for_jax, jax_result
+            new = None if view.nbytes < _jax_results.ADOPTED_FROM else _jax_results.new
+            return view, new, _jax_results.result
 
         return from_jax
     return None

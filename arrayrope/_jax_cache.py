@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _interop, _jax_ops, _kv_layout
+from . import _arrays, _jax_ops, _jax_results, _kv_layout
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 from ._kv_layout import check_layout
 
@@ -114,7 +114,7 @@ def _eager(*args, call):
     )
     k_cache[...], v_cache[...] = operands[k_at], operands[v_at]
     _step(operands, out, k_cache, v_cache, call)
-    return [_interop.jax_result(a) for a in (out, k_cache, v_cache)]
+    return [_jax_results.result(a) for a in (out, k_cache, v_cache)]
 
 
 def _not_differentiated(primals, tangents, *, call):

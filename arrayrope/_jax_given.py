@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _given, _interop, _jax_ops
+from . import _arrays, _given, _jax_ops, _jax_results
 from ._errors import RopeTypeError, RopeValueError
 
 _KIND = "apply_cos_sin"
@@ -75,7 +75,7 @@ def _eager(x, cos, sin, *, call):
     x, cos, sin = (np.asarray(a) for a in (x, cos, sin))
     out = _arrays.empty_for_xla(x.shape, x.dtype)
     _rotate(x, cos, sin, out, call)
-    return _interop.jax_result(out)
+    return _jax_results.result(out)
 
 
 apply_p = Primitive("arrayrope_apply_cos_sin")

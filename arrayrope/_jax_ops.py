@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _interop, _registry
+from . import _arrays, _jax_results, _registry
 from ._cache import Bounded
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 from ._positions import check_int, check_values
@@ -292,7 +292,7 @@ def _eager(args, call):
     pos = np.asarray(args[operands]) if kind == "array" else scalar
     outs = tuple(_arrays.empty_for_xla(x.shape, x.dtype) for x in xs)
     _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
-    return [_interop.jax_result(o) for o in outs]
+    return [_jax_results.result(o) for o in outs]
 
 
 def _with(call, **changes):

@@ -346,7 +346,7 @@ def test_rotate_into_cache_refusals():
 
 @pytest.mark.parametrize("tokens", [40, 1500])  # copied into XLA's memory; adopted by XLA
 def test_eager_results_are_their_own_memory(tokens, monkeypatch):
-    # An eager call's result, copied or adopted (_interop.JAX_ADOPTS_FROM): each its own, never
+    # An eager call's result, copied or adopted (_jax_results.ADOPTED_FROM): each its own, never
     # the input's, and unchanged by later calls; an adopted one is the memory it was written in.
     from arrayrope import _arrays
 
