@@ -4,7 +4,8 @@ eval_shape.
 A traced JAX array has no memory to rotate: it is a placeholder in a program XLA compiles. So
 the rotation is a primitive, ``arrayrope_rotate``, with the rules JAX asks of one: its result
 shapes (abstract evaluation), its lowering (an XLA FFI custom call into a handler of this
-module, which runs the same kernels as an eager call on views of XLA's buffers), its JVP
+module, which runs the same kernels as an eager call on views of XLA's buffers; on a GPU,
+``jax.pure_callback`` of those kernels), its JVP
 (the rotation of the tangent: it is linear), its transpose (the rotation by minus the angle
 with the same scale, which is not the undo under YaRN or LongRoPE) and its batching rule.
 Concrete arrays outside any transform keep the direct path.
@@ -31,7 +32,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _arrays, _jax_results, _registry
 from ._cache import Bounded
-from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
+from ._errors import RopeTypeError, RopeValueError
 from ._positions import check_int, check_values
 
 _TARGET = "arrayrope_rotate"
@@ -284,15 +285,21 @@ rotate_p.def_impl(lambda *args, call: _eager(args, call))
 rotate_p.def_abstract_eval(_abstract)
 
 
-def _eager(args, call):
-    """The primitive on concrete arrays (a transform of an eager call binds it so): the kernels
-    on NumPy views, no XLA program."""
+def _on_host(*args, call):
+    """The primitive's results as NumPy arrays, rotated by the CPU kernels from ``args`` (any
+    arrays NumPy can read)."""
     key, operands, kind, scalar, inverse, backend, seq_len, dtype = _calls[call]
     xs = tuple(np.asarray(a) for a in args[:operands])
     pos = np.asarray(args[operands]) if kind == "array" else scalar
     outs = tuple(_arrays.empty_for_xla(x.shape, x.dtype) for x in xs)
     _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
-    return [_jax_results.result(o) for o in outs]
+    return outs
+
+
+def _eager(args, call):
+    """The primitive on concrete arrays (a transform of an eager call binds it so): the kernels
+    on NumPy views, no XLA program."""
+    return [_jax_results.result(o) for o in _on_host(*args, call=call)]
 
 
 def _with(call, **changes):
@@ -362,16 +369,17 @@ jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu"
 mlir.register_lowering(rotate_p, jax.ffi.ffi_lowering(_TARGET), platform="cpu")
 
 
-def _no_device_lowering(ctx, *args, call):
-    raise BackendUnavailableError(
-        "arrayrope's JAX primitive runs on the CPU: under jit, grad or vmap on a GPU, place "
-        "the call on the CPU (jax.default_device(jax.devices('cpu')[0])), or rotate concrete "
-        "arrays outside the transform (CUDA memory through DLPack)"
-    )
+def _through_host(*args, call):
+    """The primitive as ``jax.pure_callback`` of the CPU kernels: its lowering on a GPU, where
+    there is no FFI handler. XLA copies the operands to the host and the results back."""
+    results = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[: _calls[call][1]]]
+    return jax.pure_callback(functools.partial(_on_host, call=call), results, *args)
 
 
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(rotate_p, _no_device_lowering, platform=_platform)
+    mlir.register_lowering(
+        rotate_p, mlir.lower_fun(_through_host, multiple_results=True), platform=_platform
+    )
 
 
 def _positions(pos):

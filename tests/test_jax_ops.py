@@ -374,3 +374,34 @@ def test_eager_results_are_their_own_memory(tokens, monkeypatch):
         np.asarray(grads), _expected(ROPE, np.ones(x.shape, np.float32), pos, inverse=True),
         rtol=1e-6, atol=1e-6,
     )  # fmt: skip
+
+
+def test_the_gpu_lowering_is_a_host_callback_of_the_cpu_kernels(monkeypatch):
+    # On a GPU the primitive lowers to jax.pure_callback of the CPU kernels (there is no CUDA
+    # FFI handler). Here: the CUDA lowering goes there (a callback cannot be lowered for a
+    # platform that is absent, so the test stops it on the way), and the same function run
+    # under jit on the CPU equals the eager call, for q and k together.
+    from arrayrope import _jax_ops
+
+    x, pos = _data(seed=3)
+    (call,) = [
+        e.params["call"]
+        for e in jax.make_jaxpr(lambda x, p: ROPE.rotate_qk(x, x[:, :1], p))(x, pos).eqns
+        if e.primitive is _jax_ops.rotate_p
+    ]
+    got = jax.jit(lambda x, p: _jax_ops._through_host(x, x[:, :1], p, call=call))(x, pos)
+    want = _expected(ROPE, x, pos)
+    np.testing.assert_array_equal(np.asarray(got[0]), want)
+    np.testing.assert_array_equal(np.asarray(got[1]), want[:, :1])
+
+    class Routed(Exception):
+        pass
+
+    def pure_callback(callback, results, *args):
+        raise Routed([(r.shape, r.dtype) for r in results], len(args))
+
+    monkeypatch.setattr(jax, "pure_callback", pure_callback)
+    step = jax.jit(jax.grad(lambda t: (ROPE.rotate(t, pos) ** 2).sum()))
+    with pytest.raises(Routed) as routed:
+        step.trace(x).lower(lowering_platforms=("cuda",))
+    assert routed.value.args == ([(x.shape, x.dtype)], 2)
