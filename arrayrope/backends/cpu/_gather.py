@@ -60,10 +60,12 @@ def gather_tables_parallel(cos, sin, idx, pair_axis):
 
 
 class _OneRun(dict):
-    """The segment table of a single run of ``pairs`` pairs, built once per size."""
+    """The segment table of a single run of ``pairs`` pairs, built once per size: read-only,
+    as a RoPE's own (``Spec.segments``), so that the kernels take one build for both."""
 
     def __missing__(self, pairs):
         run = self[pairs] = np.array([[0, pairs, 0]], dtype=np.int64)
+        run.flags.writeable = False
         return run
 
 
