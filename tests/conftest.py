@@ -161,6 +161,28 @@ def rng(request, session_seed):
     return np.random.default_rng(words)
 
 
+@pytest.fixture
+def seeded_kernel_cache():
+    """``seeded_kernel_cache(folder)`` creates ``folder``, for NUMBA_CACHE_DIR, as a copy of this
+    process's kernel cache (which the warm-up under ``-n`` has filled), and returns it: a
+    subprocess then compiles only the kernels it is missing. Numba names a source folder's
+    cache under NUMBA_CACHE_DIR by the folder's name and the SHA-1 of its path."""
+    import hashlib
+
+    from arrayrope.backends.cpu import _fused_launch
+
+    def seed(folder):
+        source = os.path.dirname(os.path.abspath(_fused_launch.__file__))
+        ours = getattr(getattr(_fused_launch.fused_step, "_cache", None), "_cache_path", None)
+        folder.mkdir(parents=True, exist_ok=True)
+        if ours and os.path.isdir(ours):
+            into = folder / f"cpu_{hashlib.sha1(source.encode()).hexdigest()}"
+            shutil.copytree(ours, into, ignore=shutil.ignore_patterns("*.pyc", "*.lock"))
+        return folder
+
+    return seed
+
+
 @pytest.fixture(scope="session")
 def host_kernels(tmp_path_factory):
     """The CuPy backend's CUDA C source built for the host (see host_cuda.py)."""

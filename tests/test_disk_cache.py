@@ -1,9 +1,7 @@
 """A damaged kernel cache never stops a call: each damaged entry is dropped with one warning
 naming the folder, the kernel compiles and is saved anew, and the results are right."""
 
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
 
@@ -137,7 +135,7 @@ def test_a_save_waits_for_the_folder_lock(tmp_path):
     assert list(folder.glob("*.nbi"))
 
 
-def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path):
+def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path, seeded_kernel_cache):
     # a fused float16 step whose launcher, compiled over kernels loaded from the disk cache and
     # then itself loaded from it in a later process, called address 0: the launcher is cached,
     # its kernels are compiled into it
@@ -147,19 +145,9 @@ def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path):
         '"out_layout": "reversed", "side": "after", "pos": {"kind": "none"}, "inverse": true, '
         '"seed": 12}]'
     )
-    from arrayrope.backends.cpu import _fused_launch
-
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_cases.py")
-    cache = tmp_path / "cache"
+    cache = seeded_kernel_cache(tmp_path / "cache")  # the first run compiles only what is new
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
-    # the folder starts as a copy of this process's (which the warm-up under -n has filled):
-    # the first run then compiles only what is not in it yet. Numba names a kernel folder
-    # under NUMBA_CACHE_DIR by the source folder's name and the SHA-1 of its path.
-    source = os.path.dirname(os.path.abspath(_fused_launch.__file__))
-    ours = getattr(getattr(_fused_launch.fused_step, "_cache", None), "_cache_path", None)
-    if ours and os.path.isdir(ours):
-        folder = cache / f"cpu_{hashlib.sha1(source.encode()).hexdigest()}"
-        shutil.copytree(ours, folder, ignore=shutil.ignore_patterns("*.pyc", "*.lock"))
 
     def run():
         done = subprocess.run(

@@ -701,9 +701,10 @@ def test_a_loop_on_read_only_inputs_takes_the_launchs_own_build(rng, monkeypatch
     assert np.array_equal(got, want) and np.array_equal(k_cache, caches[0])
 
 
-def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):
-    # q, k and v read-only in one process (JAX's buffers always are), writable in the next:
-    # both load fused_step's one build from the disk cache and run
+def test_read_only_inputs_share_the_steps_disk_cache(tmp_path, seeded_kernel_cache):
+    # q, k and v read-only in one process (JAX's buffers always are), writable in the others:
+    # all run fused_step's one build, the read-only one loading it from the disk cache (it
+    # saves no build of its own)
     import subprocess
     import sys
 
@@ -717,7 +718,14 @@ def test_read_only_inputs_share_the_steps_disk_cache(tmp_path):
         "rope.rotate_into_cache(q, k, v, np.arange(3), kc, kc.copy(), np.arange(3))\n"
         "assert np.array_equal(kc[0, :3], rope.rotate(k, np.arange(3)[:, None]))\n"
     )
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    for kind in ("read-only", "writable", "writable"):
+    cache = seeded_kernel_cache(tmp_path / "cache")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+
+    def builds():  # a save rewrites the index and writes a build
+        return sorted((p.name, p.stat().st_mtime_ns) for p in cache.rglob("*fused_step*.nb[ic]"))
+
+    for i, kind in enumerate(("writable", "read-only", "writable")):
+        saved = builds()
         done = subprocess.run([sys.executable, "-c", script, kind], env=env, timeout=600)
         assert done.returncode == 0, kind
+        assert i == 0 or builds() == saved, kind  # the first run compiles what is missing
