@@ -1,6 +1,6 @@
 """apply_cos_sin for JAX code under jit, grad, vjp, jvp, vmap and eval_shape: the primitive
 ``arrayrope_apply_cos_sin``, lowered to the XLA FFI handler of ``_jax_ops``, which runs the same
-kernels as an eager call on XLA's buffers.
+kernels as an eager call on XLA's buffers (on a GPU, to ``jax.pure_callback`` of those kernels).
 
 y is bilinear in x and the tables (see ``_torch_given``): its JVP is the rotation of x's tangent
 by the tables plus x turned by the tables' tangents (array operations, which JAX transposes
@@ -9,6 +9,8 @@ layout is differentiated as transformers' formula reads it, each feature by its 
 
 This module imports JAX: it is imported only once a traced JAX array has been seen.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -70,12 +72,24 @@ def _abstract(x, cos, sin, *, call):
     return jax.core.ShapedArray(x.shape, x.dtype)
 
 
-def _eager(x, cos, sin, *, call):
-    """The primitive on concrete arrays (a transform of an eager call binds it so)."""
+def _on_host(x, cos, sin, *, call):
+    """The primitive's result as a NumPy array, computed by the CPU kernels."""
     x, cos, sin = (np.asarray(a) for a in (x, cos, sin))
     out = _arrays.empty_for_xla(x.shape, x.dtype)
     _rotate(x, cos, sin, out, call)
-    return _jax_results.result(out)
+    return out
+
+
+def _eager(x, cos, sin, *, call):
+    """The primitive on concrete arrays (a transform of an eager call binds it so)."""
+    return _jax_results.result(_on_host(x, cos, sin, call=call))
+
+
+def _through_host(x, cos, sin, *, call):
+    """The primitive as ``jax.pure_callback`` of the CPU kernels: its lowering on a GPU (see
+    _jax_ops._through_host)."""
+    result = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.pure_callback(functools.partial(_on_host, call=call), result, x, cos, sin)
 
 
 apply_p = Primitive("arrayrope_apply_cos_sin")
@@ -166,7 +180,7 @@ ad.primitive_transposes[apply_p] = _transpose
 batching.primitive_batchers[apply_p] = _batch
 mlir.register_lowering(apply_p, jax.ffi.ffi_lowering(_jax_ops._TARGET), platform="cpu")
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(apply_p, _jax_ops._no_device_lowering, platform=_platform)
+    mlir.register_lowering(apply_p, mlir.lower_fun(_through_host, False), platform=_platform)
 
 
 def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend):
