@@ -180,7 +180,9 @@ ad.primitive_transposes[apply_p] = _transpose
 batching.primitive_batchers[apply_p] = _batch
 mlir.register_lowering(apply_p, jax.ffi.ffi_lowering(_jax_ops._TARGET), platform="cpu")
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(apply_p, mlir.lower_fun(_through_host, False), platform=_platform)
+    mlir.register_lowering(
+        apply_p, mlir.lower_fun(_through_host, multiple_results=False), platform=_platform
+    )
 
 
 def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend):

@@ -5,10 +5,10 @@ A traced JAX array has no memory to rotate: it is a placeholder in a program XLA
 the rotation is a primitive, ``arrayrope_rotate``, with the rules JAX asks of one: its result
 shapes (abstract evaluation), its lowering (an XLA FFI custom call into a handler of this
 module, which runs the same kernels as an eager call on views of XLA's buffers; on a GPU,
-``jax.pure_callback`` of those kernels), its JVP
-(the rotation of the tangent: it is linear), its transpose (the rotation by minus the angle
-with the same scale, which is not the undo under YaRN or LongRoPE) and its batching rule.
-Concrete arrays outside any transform keep the direct path.
+``jax.pure_callback`` of those kernels), its JVP (the rotation of the tangent: it is linear),
+its transpose (the rotation by minus the angle with the same scale, which is not the undo under
+YaRN or LongRoPE) and its batching rule. Concrete arrays outside any transform keep the direct
+path.
 
 The handler is a ctypes callback registered with ``jax.ffi.register_ffi_target`` on the CPU.
 Each static part of a call (the RoPE's engine key, the kind and value of scalar positions,

@@ -161,6 +161,13 @@ def rng(request, session_seed):
     return np.random.default_rng(words)
 
 
+def _copy_if_there(source, target):
+    """shutil.copy2, where another worker's save or load may have removed ``source`` (a missing
+    entry is a miss: the subprocess compiles that kernel)."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.copy2(source, target)
+
+
 @pytest.fixture
 def seeded_kernel_cache():
     """``seeded_kernel_cache(folder)`` creates ``folder``, for NUMBA_CACHE_DIR, as a copy of this
@@ -177,7 +184,8 @@ def seeded_kernel_cache():
         folder.mkdir(parents=True, exist_ok=True)
         if ours and os.path.isdir(ours):
             into = folder / f"cpu_{hashlib.sha1(source.encode()).hexdigest()}"
-            shutil.copytree(ours, into, ignore=shutil.ignore_patterns("*.pyc", "*.lock"))
+            skip = shutil.ignore_patterns("*.pyc", "*.lock", "*.tmp.*")  # a save in progress
+            shutil.copytree(ours, into, ignore=skip, copy_function=_copy_if_there)
         return folder
 
     return seed

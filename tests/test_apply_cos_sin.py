@@ -356,39 +356,3 @@ def test_jax_transforms_reach_the_tables(style, duplicated):
         jax.vmap(reference, (None, 0, None))(x, stacked, sin),
     )
     assert jax.eval_shape(f, x, cos, sin).shape == x.shape
-
-
-def test_jax_gpu_lowering_is_a_host_callback_of_the_cpu_kernels(monkeypatch):
-    # On a GPU the primitive lowers to jax.pure_callback of the CPU kernels (no CUDA FFI
-    # handler): the CUDA lowering goes there (stopped on the way: a callback cannot be lowered
-    # for a platform that is absent), and the same function under jit on the CPU gives the
-    # eager call's bits
-    jax = pytest.importorskip("jax", reason="JAX is not installed")
-    from arrayrope import _jax_given
-
-    rng = np.random.default_rng(5)
-    x = jax.numpy.asarray(rng.standard_normal((3, 7, 12)), jax.numpy.float32)
-    cos, sin = (jax.numpy.asarray(rng.standard_normal((7, 4)), jax.numpy.float32) for _ in "cs")
-
-    def f(x, c, s):
-        return ar.apply_cos_sin(x, c, s, style="half", rotary_dim=8)
-
-    (call,) = [
-        e.params["call"]
-        for e in jax.make_jaxpr(f)(x, cos, sin).eqns
-        if e.primitive is _jax_given.apply_p
-    ]
-    got = jax.jit(lambda *a: _jax_given._through_host(*a, call=call))(x, cos, sin)
-    want = ar.apply_cos_sin(*(np.asarray(a) for a in (x, cos, sin)), style="half", rotary_dim=8)
-    np.testing.assert_array_equal(np.asarray(got), want)
-
-    class Routed(Exception):
-        pass
-
-    def pure_callback(callback, result, *args):
-        raise Routed(result.shape, result.dtype, len(args))
-
-    monkeypatch.setattr(jax, "pure_callback", pure_callback)
-    with pytest.raises(Routed) as routed:
-        jax.jit(f).trace(x, cos, sin).lower(lowering_platforms=("cuda",))
-    assert routed.value.args == (x.shape, x.dtype, 3)

@@ -158,7 +158,7 @@ def test_the_fused_step_runs_when_its_kernels_come_from_the_cache(tmp_path, seed
 
     run()  # every kernel compiled or loaded, and saved
     entries = list(cache.rglob("_fused_launch.fused_step*"))
-    assert entries  # the launcher is in the cache
+    assert entries  # the launcher is in the cache (copied, or saved by the run)
     for entry in entries:
         entry.unlink()  # the launcher alone compiled anew, over kernels loaded from the cache
     run()

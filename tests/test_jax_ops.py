@@ -376,32 +376,81 @@ def test_eager_results_are_their_own_memory(tokens, monkeypatch):
     )  # fmt: skip
 
 
-def test_the_gpu_lowering_is_a_host_callback_of_the_cpu_kernels(monkeypatch):
-    # On a GPU the primitive lowers to jax.pure_callback of the CPU kernels (there is no CUDA
-    # FFI handler). Here: the CUDA lowering goes there (a callback cannot be lowered for a
-    # platform that is absent, so the test stops it on the way), and the same function run
-    # under jit on the CPU equals the eager call, for q and k together.
-    from arrayrope import _jax_ops
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_gpu_route_gives_the_ffi_routes_bits_under_every_transform(dtype, monkeypatch):
+    # On a GPU the primitives lower to jax.pure_callback of the CPU kernels (there is no CUDA
+    # FFI handler). Put in place of the CPU's FFI lowering here, that route gives the same
+    # bits under jit, grad, vmap and jvp, for rotate, rotate_qk and apply_cos_sin.
+    from jax.interpreters import mlir
 
+    from arrayrope import _jax_given, _jax_ops
+
+    rope = ar.RoPE(16, style="half")
+    rng = np.random.default_rng(11)
+    x, k = (jnp.asarray(rng.standard_normal((2, 5, h, 16)), dtype) for h in (3, 1))
+    c, s = (jnp.asarray(rng.standard_normal((2, 5, 8)), dtype) for _ in "cs")
+    pos = jnp.arange(5)[:, None]
+
+    def run():
+        jax.clear_caches()  # no program lowered by the other route
+        return [
+            jax.jit(lambda x, p: rope.rotate_qk(x, k, p))(x, pos),
+            jax.jit(jax.grad(lambda x: (rope.rotate(x, pos).astype(jnp.float32) ** 2).sum()))(x),
+            jax.jit(jax.vmap(lambda x, p: rope.rotate(x, p)))(x, jnp.stack([pos, pos + 2])),
+            jax.jit(lambda x: jax.jvp(lambda t: rope.rotate(t, 3), (x,), (x,)))(x),
+            jax.jit(
+                lambda x, c, s: ar.apply_cos_sin(x, c, s, style="half", rotary_dim=16, head_axis=-2)
+            )(x, c, s),
+        ]
+
+    through_ffi = run()
+    lowerings = mlir._platform_specific_lowerings["cpu"]
+    for primitive, module, many in ((_jax_ops.rotate_p, _jax_ops, True),
+                                    (_jax_given.apply_p, _jax_given, False)):  # fmt: skip
+        monkeypatch.setitem(lowerings, primitive, lowerings[primitive])  # restored at the end
+        lowering = mlir.lower_fun(module._through_host, multiple_results=many)
+        mlir.register_lowering(primitive, lowering, platform="cpu")
+    try:
+        text = jax.jit(lambda x: rope.rotate(x, 3)).lower(x).as_text()
+        assert "callback" in text and f"@{_jax_ops._TARGET}" not in text
+        through_host = run()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    _same_bits(jax.tree.leaves(through_host), jax.tree.leaves(through_ffi))
+
+
+def test_the_gpu_lowerings(monkeypatch):
+    # The CUDA lowerings: rotate's and apply_cos_sin's reach jax.pure_callback (stopped there:
+    # a callback cannot be lowered for a platform that is absent) with the results' shapes;
+    # rotate_into_cache's refuses, as a callback would carry the caches both ways each step
     x, pos = _data(seed=3)
-    (call,) = [
-        e.params["call"]
-        for e in jax.make_jaxpr(lambda x, p: ROPE.rotate_qk(x, x[:, :1], p))(x, pos).eqns
-        if e.primitive is _jax_ops.rotate_p
-    ]
-    got = jax.jit(lambda x, p: _jax_ops._through_host(x, x[:, :1], p, call=call))(x, pos)
-    want = _expected(ROPE, x, pos)
-    np.testing.assert_array_equal(np.asarray(got[0]), want)
-    np.testing.assert_array_equal(np.asarray(got[1]), want[:, :1])
+    cos = sin = jnp.ones((5, 8), jnp.float32)
 
     class Routed(Exception):
         pass
 
     def pure_callback(callback, results, *args):
+        results = results if isinstance(results, list) else [results]
         raise Routed([(r.shape, r.dtype) for r in results], len(args))
 
+    def lowered(f, *args):
+        with pytest.raises(Routed) as routed:
+            jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        return routed.value.args
+
+    q, k, v, p, k_cache, v_cache, slots = _step_inputs(2, 3, jnp.dtype("float32"))
+    step = [jnp.asarray(a) for a in (q, k, v, k_cache, v_cache, slots)]
+    with pytest.raises(ar.BackendUnavailableError, match="runs on the CPU"):
+        jax.jit(lambda *a: STEP_ROPE.rotate_into_cache(*a[:3], 0, *a[3:])).trace(*step).lower(
+            lowering_platforms=("cuda",)
+        )
     monkeypatch.setattr(jax, "pure_callback", pure_callback)
-    step = jax.jit(jax.grad(lambda t: (ROPE.rotate(t, pos) ** 2).sum()))
-    with pytest.raises(Routed) as routed:
-        step.trace(x).lower(lowering_platforms=("cuda",))
-    assert routed.value.args == ([(x.shape, x.dtype)], 2)
+    grad = jax.grad(lambda t: (ROPE.rotate(t, pos) ** 2).sum())
+    assert lowered(grad, x) == ([(x.shape, x.dtype)], 2)
+    assert lowered(lambda x, p: ROPE.rotate_qk(x, x[:, :1], p), x, pos) == (
+        [(x.shape, x.dtype), (x[:, :1].shape, x.dtype)],
+        3,
+    )
+    applied = lowered(lambda x: ar.apply_cos_sin(x, cos, sin, style="half", rotary_dim=16), x)
+    assert applied == ([(x.shape, x.dtype)], 3)
