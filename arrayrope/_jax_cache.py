@@ -2,7 +2,7 @@
 results are the rotated q and the two caches with the step's rows written.
 
 JAX arrays cannot be written, so the step returns new caches: under jax.jit the lowering (an XLA
-FFI call into ``_jax_ops``'s handler, which runs the NumPy step on views of XLA's buffers) aliases
+FFI call into ``_jax_ffi``'s handler, which runs the NumPy step on views of XLA's buffers) aliases
 each cache operand to its result, so that XLA writes a donated cache in place
 (``jax.jit(step, donate_argnums=...)``) and copies one that is not donated; an eager call copies
 the caches. An inference step is neither differentiated nor batched: grad, jvp and vmap are
@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _jax_ops, _jax_results, _kv_layout
+from . import _arrays, _jax_ffi, _jax_ops, _jax_results, _kv_layout
 from ._errors import BackendUnavailableError, RopeTypeError, RopeValueError
 from ._kv_layout import check_layout
 
@@ -33,7 +33,7 @@ def _rope_index(rope):
     for i, known in enumerate(_ropes):
         if known is rope:
             return i
-    with _jax_ops._lock:
+    with _jax_ffi.lock:
         _ropes.append(rope)
         return len(_ropes) - 1
 
@@ -41,7 +41,7 @@ def _rope_index(rope):
 def _entry(call):
     """(RoPE index, position kind, scalar position, options, weights present, dtypes of the
     operands) of a call."""
-    return _jax_ops._calls[call][1:]
+    return _jax_ffi.calls[call][1:]
 
 
 def _step(operands, out, k_cache, v_cache, call):
@@ -69,14 +69,14 @@ def _step(operands, out, k_cache, v_cache, call):
 def _run(args, rets, entry):
     """The handler's work for one of this primitive's calls: views of XLA's buffers (the caches'
     results alias their operands)."""
-    storage = [_jax_ops._storage(dtype) for dtype in entry[-1]]
+    storage = [_jax_ffi.storage(dtype) for dtype in entry[-1]]
     # The operands are viewed as writable, though the step only reads them (it writes out and
     # the caches, and refuses any overlap with them): read-only ones would be aliased writable
     # on each step before the fused launch (see _fused_launch._step).
-    operands = [_jax_ops._view(args[i], *kinds, False) for i, kinds in enumerate(storage)]
+    operands = [_jax_ffi.view(args[i], *kinds, False) for i, kinds in enumerate(storage)]
     written = enumerate((0, *_caches(entry)))  # out has q's dtype, each cache its operand's
-    out, k_cache, v_cache = (_jax_ops._view(rets[i], *storage[j], False) for i, j in written)
-    _step(operands, out, k_cache, v_cache, _jax_ops._call_ids[entry])
+    out, k_cache, v_cache = (_jax_ffi.view(rets[i], *storage[j], False) for i, j in written)
+    _step(operands, out, k_cache, v_cache, _jax_ffi.call_ids[entry])
 
 
 def _caches(entry):
@@ -85,13 +85,13 @@ def _caches(entry):
     return _K_CACHE - shift, _V_CACHE - shift
 
 
-_jax_ops.RUNNERS[_KIND] = _run
+_jax_ffi.RUNNERS[_KIND] = _run
 
 
 def _abstract(*avals, call):
     index, kind, _, options, _, _ = _entry(call)
     spec = _ropes[index]._spec
-    k_at, v_at = _caches(_jax_ops._calls[call])
+    k_at, v_at = _caches(_jax_ffi.calls[call])
     q, k, v = avals[:3]
     for name, aval in (("q", q), ("k", k), ("v", v)):
         if aval.ndim != 3 or aval.shape[-1] != spec.head_dim:
@@ -107,7 +107,7 @@ def _abstract(*avals, call):
 
 def _eager(*args, call):
     """The primitive on concrete arrays: the NumPy step on copies of the caches."""
-    k_at, v_at = _caches(_jax_ops._calls[call])
+    k_at, v_at = _caches(_jax_ffi.calls[call])
     operands = [np.asarray(a) for a in args]
     out, k_cache, v_cache = (
         _arrays.empty_for_xla(operands[i].shape, operands[i].dtype) for i in (0, k_at, v_at)
@@ -140,8 +140,8 @@ batching.primitive_batchers[rotate_into_cache_p] = _not_batched
 
 
 def _lowering(ctx, *args, call):
-    k_at, v_at = _caches(_jax_ops._calls[call])
-    lower = jax.ffi.ffi_lowering(_jax_ops._TARGET, operand_output_aliases={k_at: 1, v_at: 2})
+    k_at, v_at = _caches(_jax_ffi.calls[call])
+    lower = jax.ffi.ffi_lowering(_jax_ffi.TARGET, operand_output_aliases={k_at: 1, v_at: 2})
     return lower(ctx, *args, call=call)
 
 
@@ -194,7 +194,7 @@ def rotate_into_cache(rope, arrays, options):
     for name, value in options.items():
         if name != "cache_layout" and value is not None and not np.isscalar(value):
             raise RopeTypeError(f"{name} must be a number for JAX arrays, got {value!r}")
-    call = _jax_ops._call_id(
+    call = _jax_ffi.call_id(
         (_KIND, _rope_index(rope), kind, scalar, tuple(sorted(options.items())),
          tuple(w is not None for w in weights), tuple(np.dtype(a.dtype) for a in operands))
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """apply_cos_sin for JAX code under jit, grad, vjp, jvp, vmap and eval_shape: the primitive
-``arrayrope_apply_cos_sin``, lowered to the XLA FFI handler of ``_jax_ops``, which runs the same
+``arrayrope_apply_cos_sin``, lowered to the XLA FFI handler of ``_jax_ffi``, which runs the same
 kernels as an eager call on XLA's buffers (on a GPU, to ``jax.pure_callback`` of those kernels).
 
 y is bilinear in x and the tables (see ``_torch_given``): its JVP is the rotation of x's tangent
@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _given, _jax_ops, _jax_results
+from . import _arrays, _given, _jax_ffi, _jax_results
 from ._errors import RopeTypeError, RopeValueError
 
 _KIND = "apply_cos_sin"
@@ -26,7 +26,7 @@ _KIND = "apply_cos_sin"
 
 def _entry(call):
     """(style, rotary_dim, inverse, head_axis, backend, dtypes of x, cos, sin) of a call."""
-    return _jax_ops._calls[call][1:]
+    return _jax_ffi.calls[call][1:]
 
 
 def _with(call, **changes):
@@ -34,7 +34,7 @@ def _with(call, **changes):
     fields = dict(style=style, rotary_dim=rotary_dim, inverse=inverse, head_axis=head_axis,
                   backend=backend, dtypes=dtypes)  # fmt: skip
     fields.update(changes)
-    return _jax_ops._call_id((_KIND,) + tuple(fields.values()))
+    return _jax_ffi.call_id((_KIND,) + tuple(fields.values()))
 
 
 def _rotate(x, cos, sin, out, call):
@@ -46,13 +46,13 @@ def _run(args, rets, entry):
     """The handler's work for one of this primitive's calls: views of XLA's buffers."""
     dtypes = entry[-1]
     x, cos, sin = (
-        _jax_ops._view(args[i], *_jax_ops._storage(dtypes[i]), True) for i in range(3)
+        _jax_ffi.view(args[i], *_jax_ffi.storage(dtypes[i]), True) for i in range(3)
     )  # fmt: skip
-    out = _jax_ops._view(rets[0], *_jax_ops._storage(dtypes[0]), False, True)
-    _rotate(x, cos, sin, out, _jax_ops._call_ids[entry])
+    out = _jax_ffi.view(rets[0], *_jax_ffi.storage(dtypes[0]), False, True)
+    _rotate(x, cos, sin, out, _jax_ffi.call_ids[entry])
 
 
-_jax_ops.RUNNERS[_KIND] = _run
+_jax_ffi.RUNNERS[_KIND] = _run
 
 
 def _abstract(x, cos, sin, *, call):
@@ -178,7 +178,7 @@ def _batch(args, dims, *, call):
 ad.primitive_jvps[apply_p] = _jvp
 ad.primitive_transposes[apply_p] = _transpose
 batching.primitive_batchers[apply_p] = _batch
-mlir.register_lowering(apply_p, jax.ffi.ffi_lowering(_jax_ops._TARGET), platform="cpu")
+mlir.register_lowering(apply_p, jax.ffi.ffi_lowering(_jax_ffi.TARGET), platform="cpu")
 for _platform in ("cuda", "rocm"):
     mlir.register_lowering(
         apply_p, mlir.lower_fun(_through_host, multiple_results=False), platform=_platform
@@ -201,7 +201,7 @@ def apply_cos_sin(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, bac
     results = []
     for x in xs:
         dtypes = (np.dtype(x.dtype), np.dtype(cos.dtype), np.dtype(sin.dtype))
-        call = _jax_ops._call_id(
+        call = _jax_ffi.call_id(
             (_KIND, style, rotary_dim, bool(inverse), head_axis, backend, dtypes)
         )
         results.append(apply_p.bind(x, cos, sin, call=call))

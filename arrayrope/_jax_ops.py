@@ -3,26 +3,22 @@ eval_shape.
 
 A traced JAX array has no memory to rotate: it is a placeholder in a program XLA compiles. So
 the rotation is a primitive, ``arrayrope_rotate``, with the rules JAX asks of one: its result
-shapes (abstract evaluation), its lowering (an XLA FFI custom call into a handler of this
-module, which runs the same kernels as an eager call on views of XLA's buffers; on a GPU,
+shapes (abstract evaluation), its lowering (an XLA FFI custom call into ``_jax_ffi``'s handler,
+which runs the same kernels as an eager call on views of XLA's buffers; on a GPU,
 ``jax.pure_callback`` of those kernels), its JVP (the rotation of the tangent: it is linear),
 its transpose (the rotation by minus the angle with the same scale, which is not the undo under
 YaRN or LongRoPE) and its batching rule. Concrete arrays outside any transform keep the direct
 path.
 
-The handler is a ctypes callback registered with ``jax.ffi.register_ffi_target`` on the CPU.
-Each static part of a call (the RoPE's engine key, the kind and value of scalar positions,
-inverse, backend, seq_len) is stored once in ``_calls`` and reaches the handler as one integer
-attribute. Array positions are an operand; they are not differentiated (a tangent on real-valued
-positions is refused).
+The handler is ``_jax_ffi``'s. Each static part of a call (the RoPE's engine key, the kind and
+value of scalar positions, inverse, backend, seq_len) is stored once in its registry and
+reaches the handler as one integer attribute. Array positions are an operand; they are not
+differentiated (a tangent on real-valued positions is refused).
 
 This module imports JAX: it is imported only once a traced JAX array has been seen.
 """
 
-import ctypes
 import functools
-import math
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -30,233 +26,28 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _arrays, _jax_results, _registry
-from ._cache import Bounded
+from . import _arrays, _jax_ffi, _jax_results, _registry
 from ._errors import RopeTypeError, RopeValueError
+from ._jax_ffi import call_id as _call_id
+from ._jax_ffi import calls as _calls
 from ._positions import check_int, check_values
 
-_TARGET = "arrayrope_rotate"
+# The rotation's entries in _jax_ffi.calls: (engine key, operands, position kind, scalar position,
+# inverse, backend, seq_len, dtype). Kinds: "array" (an operand), "int", "float", "none".
 
 
-# The parts of XLA's FFI C API (xla/ffi/api/c_api.h) that the handler reads or writes.
-class _Extension(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("type", ctypes.c_int),  # 1: metadata
-        ("next", ctypes.c_void_p),  # the next extension, which the handler never follows
-    ]
+def _run(args, rets, call):
+    """The handler's run of one of the rotation's entries (see _jax_ffi.RUNNERS): its kernels
+    on views of XLA's buffers."""
+    key, operands, kind, scalar, inverse, backend, seq_len, dtype = call
+    dtype, bits = _jax_ffi.storage(dtype)
+    xs = tuple(_jax_ffi.view(args[i], dtype, bits, True) for i in range(operands))
+    outs = tuple(_jax_ffi.view(rets[i], dtype, bits, False, True) for i in range(operands))
+    pos = _jax_ffi.position_view(args[operands]) if kind == "array" else scalar
+    _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
 
 
-class _Buffer(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("dtype", ctypes.c_int),
-        ("data", ctypes.c_void_p),
-        ("rank", ctypes.c_int64),
-        ("dims", ctypes.POINTER(ctypes.c_int64)),
-    ]
-
-
-class _Items(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("size", ctypes.c_int64),
-        ("types", ctypes.POINTER(ctypes.c_int)),
-        ("items", ctypes.POINTER(ctypes.c_void_p)),
-    ]
-
-
-class _Attrs(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("size", ctypes.c_int64),
-        ("types", ctypes.POINTER(ctypes.c_int)),
-        ("names", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(ctypes.c_void_p)),
-    ]
-
-
-class _Scalar(ctypes.Structure):
-    _fields_ = [("dtype", ctypes.c_int), ("value", ctypes.POINTER(ctypes.c_int64))]
-
-
-class _Version(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("major", ctypes.c_int),
-        ("minor", ctypes.c_int),
-    ]
-
-
-class _ErrorArgs(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("message", ctypes.c_char_p),
-        ("code", ctypes.c_int),
-    ]
-
-
-class _Api(ctypes.Structure):  # its first fields only: the handler calls Error_Create alone
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.c_void_p),
-        ("api_version", _Version),
-        ("internal_api", ctypes.c_void_p),
-        ("error_create", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorArgs))),
-    ]
-
-
-class _CallFrame(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
-        ("api", ctypes.POINTER(_Api)),
-        ("ctx", ctypes.c_void_p),
-        ("stage", ctypes.c_int),  # 3: execute
-        ("args", _Items),
-        ("rets", _Items),
-        ("attrs", _Attrs),
-        ("future", ctypes.c_void_p),
-    ]
-
-
-class _Metadata(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("api_version", _Version),
-        ("traits", ctypes.c_uint32),
-    ]
-
-
-class _MetadataExtension(ctypes.Structure):
-    _fields_ = [("base", _Extension), ("metadata", ctypes.POINTER(_Metadata))]
-
-
-_INVALID_ARGUMENT = 3
-_SCALAR = ctypes.POINTER(_Scalar)
-
-
-class _Memory:
-    """An object NumPy views through the array interface: one XLA buffer."""
-
-    __slots__ = ("__array_interface__",)
-
-
-# cache: NumPy views of XLA buffers by (address, shape, dtype, read-only). A view owns no
-# memory, so a kept one serves any later buffer at that address of that shape and dtype (a
-# jitted loop's buffers come back at the same addresses: donated caches always do).
-_views = Bounded(256)
-
-
-def _view(address, dtype, bits, read_only, result=False):
-    """The XLA buffer whose descriptor is at ``address`` as a NumPy array (row-major, as XLA
-    lays out custom-call operands by default) of ``dtype``. A ``result`` the kernel writes in
-    full is first advised to huge pages (see _arrays.advise_huge_pages)."""
-    buffer = _Buffer.from_address(address)
-    data, shape = buffer.data or 0, tuple(buffer.dims[: buffer.rank])
-    if result:
-        _arrays.advise_huge_pages(data, math.prod(shape) * bits.itemsize)
-    key = (data, shape, dtype, read_only)
-    view = _views.get(key)
-    if view is None:
-        memory = _Memory()
-        face = {"data": (data, read_only), "shape": shape, "typestr": bits.str, "version": 3}
-        memory.__array_interface__ = face
-        view = np.asarray(memory)
-        view = _views.put(key, view if bits is dtype else view.view(dtype))
-    return view
-
-
-# Registry: every static part of a call, by its index: (engine key, operands, position kind, scalar
-# position, inverse, backend, seq_len, dtype). Kinds: "array" (an operand), "int", "float",
-# "none". One entry per distinct static call, as jit keeps one program per one. Other primitives
-# that lower to the same handler keep entries that begin with their name, and run them with
-# RUNNERS[name](args, rets, entry).
-_calls = []
-_call_ids = {}
-RUNNERS = {}
-
-
-_lock = threading.Lock()
-
-
-def _call_id(call):
-    found = _call_ids.get(call)
-    if found is None:
-        with _lock:
-            found = _call_ids.get(call)
-            if found is None:
-                found = _call_ids[call] = len(_calls)
-                _calls.append(call)
-    return found
-
-
-@functools.cache
-def _storage(dtype):
-    """(dtype, the dtype its buffer is read as): the types NumPy's array interface does not name
-    (bfloat16, float8) travel as unsigned bits of their size."""
-    dtype = np.dtype(dtype)
-    plain = dtype.kind in "biuf" and dtype.name != "bfloat16"
-    return dtype, dtype if plain else np.dtype(f"u{dtype.itemsize}")
-
-
-def _handle(frame_pointer):
-    frame = frame_pointer.contents
-    try:
-        extension = frame.extension_start
-        if extension and extension.contents.type == 1:  # XLA asks which API version this is
-            metadata = ctypes.cast(extension, ctypes.POINTER(_MetadataExtension))
-            metadata = metadata.contents.metadata.contents
-            metadata.api_version.major = frame.api.contents.api_version.major
-            metadata.api_version.minor = frame.api.contents.api_version.minor
-            metadata.traits = 0
-            return None
-        if frame.stage != 3:
-            return None
-        call_id = ctypes.cast(frame.attrs.attrs[0], _SCALAR).contents.value[0]
-        call = _calls[call_id]
-        if isinstance(call[0], str):  # another primitive's call (see RUNNERS)
-            RUNNERS[call[0]](frame.args.items, frame.rets.items, call)
-            return None
-        key, operands, kind, scalar, inverse, backend, seq_len, dtype = call
-        dtype, bits = _storage(dtype)
-        args = frame.args.items
-        rets = frame.rets.items
-        xs = tuple(_view(args[i], dtype, bits, True) for i in range(operands))
-        outs = tuple(_view(rets[i], dtype, bits, False, True) for i in range(operands))
-        if kind == "array":
-            code = _Buffer.from_address(args[operands]).dtype
-            pos = _view(args[operands], _POSITION_DTYPES[code], _POSITION_DTYPES[code], True)
-        else:
-            pos = scalar
-        _registry.engine_of(key).run(xs, pos, inverse, outs, backend, seq_len)
-        return None
-    except BaseException as error:  # an exception must not cross into XLA
-        message = f"arrayrope: {type(error).__name__}: {error}".encode()
-        args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message, _INVALID_ARGUMENT)
-        return frame.api.contents.error_create(ctypes.byref(args))
-
-
-# XLA's data type codes of the position dtypes a buffer can hold.
-_POSITION_DTYPES = {
-    10: np.dtype(np.float16),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.uint8),
-    7: np.dtype(np.uint16),
-    8: np.dtype(np.uint32),
-    9: np.dtype(np.uint64),
-    11: np.dtype(np.float32),
-    12: np.dtype(np.float64),
-}
-_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))(_handle)
+_jax_ffi.RUNNERS["rotate"] = _run
 
 
 def _abstract(*avals, call):
@@ -279,7 +70,7 @@ def _abstract(*avals, call):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in avals[:operands]]
 
 
-rotate_p = Primitive(_TARGET)
+rotate_p = Primitive("arrayrope_rotate")
 rotate_p.multiple_results = True
 rotate_p.def_impl(lambda *args, call: _eager(args, call))
 rotate_p.def_abstract_eval(_abstract)
@@ -365,8 +156,7 @@ def _batch(args, dims, *, call):
 ad.primitive_jvps[rotate_p] = _jvp
 ad.primitive_transposes[rotate_p] = _transpose
 batching.primitive_batchers[rotate_p] = _batch
-jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu")
-mlir.register_lowering(rotate_p, jax.ffi.ffi_lowering(_TARGET), platform="cpu")
+mlir.register_lowering(rotate_p, jax.ffi.ffi_lowering(_jax_ffi.TARGET), platform="cpu")
 
 
 def _through_host(*args, call):
