@@ -151,3 +151,32 @@ def test_kernels_on_the_software_float16_path():
     )
     env = dict(os.environ, ARRAYROPE_SOFT_F16="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_vector_steps_round_bfloat16_results_once_at_every_scale(style):
+    # The kernels' bfloat16 results are their float32 results rounded half to even, subnormals
+    # included (a conversion instruction that flushes them to zero fails here): plain and
+    # streaming stores, and the fused step. Rows at scales from 2**-140 to 2**100.
+    import arrayrope as ar
+    from arrayrope.backends.cpu import _config
+
+    rng = np.random.default_rng(0)
+    scale = 2.0 ** rng.integers(-140, 100, (2, 8, 64, 1))
+    x = (rng.standard_normal((2, 8, 64, 128)) * scale).astype(np.float32).astype(BF16)
+    pos = rng.integers(0, 5000, 64)
+    rope = ar.RoPE(128, style=style)
+    expected = rope.rotate(x.astype(np.float32), pos).astype(BF16)
+    assert np.count_nonzero(np.abs(expected.astype(np.float32)) < 2.0**-126) > 1000
+    _same(rope.rotate(x, pos).astype(np.float32), expected.astype(np.float32))
+    with _config.override(stream_above=0):  # streaming stores
+        out = np.empty_like(x)
+        rope.rotate(x, pos, out=out)
+    _same(out.astype(np.float32), expected.astype(np.float32))
+    tokens = x[0].transpose(1, 0, 2)  # (64 tokens, 8 heads, 128)
+    q, k, v = tokens[:, :4], tokens[:, 4:6], tokens[:, 6:]
+    k_cache, v_cache = np.zeros((4, 16, 2, 128), BF16), np.zeros((4, 16, 2, 128), BF16)
+    got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, np.arange(64))
+    want = expected[0].transpose(1, 0, 2)
+    _same(got.astype(np.float32), want[:, :4].astype(np.float32))
+    _same(k_cache.reshape(64, 2, 128).astype(np.float32), want[:, 4:6].astype(np.float32))

@@ -202,27 +202,34 @@ def _stream_lanes(context, builder, array_type, array, index, value, nontemporal
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned; only element-aligned
     where ``aligned`` is False), rounded once to the array's storage type as _convert.store
     rounds, with streaming stores (plain ones where ``nontemporal`` is False)."""
-    value = _narrow(builder, array_type.dtype, value)
+    value = _narrow(builder, array_type.dtype, value, nontemporal)
     align = 16 if aligned else array_type.dtype.bitwidth // 8
     _store_streaming(context, builder, array_type, array, index, value, align, nontemporal)
 
 
-def _narrow(builder, dtype, value):
+def _narrow(builder, dtype, value, nontemporal=False):
     """The compute-type vector ``value`` rounded once to ``dtype``'s stored elements (as
-    :func:`_load_bits` reads them)."""
+    :func:`_load_bits` reads them), for a plain store or (``nontemporal``) a streaming one."""
     lanes = value.type.count
     if dtype == types.int16:  # float16 bits, rounded half to even
         return builder.bitcast(
             builder.fptrunc(value, ir.VectorType(ir.HalfType(), lanes)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    if dtype == types.uint16:  # bfloat16 bits
-        rounded = _bf16_round_lanes(builder, value)
+    if dtype != types.uint16:
+        return value
+    rounded = _bf16_round_lanes(builder, value)  # bfloat16 bits in each word's high half
+    if nontemporal:  # stored in 16-byte pieces (see _store_streaming): narrowed vector by vector
         return builder.trunc(
             builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
             ir.VectorType(ir.IntType(16), lanes),
         )
-    return value
+    # For a plain store, the high halves (the second of each word's, little-endian) picked by
+    # one shuffle: AVX-512 makes it one vpermt2w per two vectors, in place of a shift and a
+    # narrowing of each vector and a merge.
+    words = builder.bitcast(rounded, ir.VectorType(ir.IntType(16), 2 * lanes))
+    high = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [2 * k + 1 for k in range(lanes)])
+    return builder.shuffle_vector(words, words, high)
 
 
 def _bf16_round_lanes(builder, value):
@@ -428,7 +435,7 @@ def chunk_step(half, kind, nbytes, nontemporal):
                 c = load(5, cos_, at, pairs, mask)
                 s = _signed_sin(builder, load(6, sin_, at, pairs, mask), inverse_)
                 result = _interleaved(builder, xk, c, s)
-            stored = _narrow(builder, tys[2].dtype, result)
+            stored = _narrow(builder, tys[2].dtype, result, nontemporal)
             if kind == "mixed":  # elements past the rotary part: x's bits
                 stored = builder.select(rotary, stored, bits)
             oa = builder.add(orow_, k_)
