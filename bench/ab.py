@@ -6,7 +6,8 @@ extracted (git archive) as the package ``arrayrope_base`` into a temporary folde
 keeps its own Numba disk cache, so the first run compiles both.
 
     python bench/ab.py HEAD~3            # large and (1, 32, 512, 128) tensors (out=, in
-                                         # place), multi-axis and decode rows
+                                         # place), multi-axis and decode rows, the
+                                         # fused inference step
     python bench/ab.py main --quick      # fewer rounds
     python bench/ab.py HEAD --only decode
 """
@@ -113,7 +114,35 @@ def cases(ar, rng_seed=0):
         lambda: decode.rotate(chunk, chunk_pos),
         None,
     )
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        for label, n in (("prefill", 2048), ("decode", 32)):
+            found[f"rotate_into_cache {label} {np.dtype(dtype).name}"] = _fused_step(
+                ar, rng, n, dtype, label == "decode"
+            )
     return found
+
+
+def _fused_step(ar, rng, n, dtype, decode):
+    """(the call, bytes moved) of a RoPE.rotate_into_cache step as bench/kv_cache.py makes it:
+    q (32 heads), k and v (8) views of one projection, d 128, an NHD cache of 16-slot blocks;
+    decode tokens at mixed positions into scattered slots. Bytes None for decode (timed per
+    call)."""
+    qkv = rng.standard_normal((n, 48 * 128)).astype(dtype)
+    q, k, v = (
+        qkv[:, a * 128 : b * 128].reshape(n, -1, 128) for a, b in ((0, 32), (32, 40), (40, 48))
+    )
+    blocks = 256 if decode else n // 16 + 64
+    k_cache = np.ones((blocks, 16, 8, 128), dtype)
+    v_cache = np.ones_like(k_cache)
+    pos = rng.integers(0, 30_000, n) if decode else np.arange(n) + 100
+    slots = rng.permutation(blocks * 16)[:n] if decode else np.arange(n) + 64
+    out = np.empty_like(q)
+    rope = ar.RoPE(128, style="half")
+
+    def step():
+        rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
+
+    return step, None if decode else 2 * qkv.nbytes
 
 
 def timed(fn, calls):
