@@ -133,6 +133,41 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     assert _fused_launch.vector_steps(steps, 0, 32, 48) == steps
     assert _fused_launch.vector_steps(steps, 4, 32, 48) == steps & 2
     assert _fused_launch.vector_steps(steps, 0, 32, 40) == steps & 1
+    # the prefetch bit (see prefetch_bit) is kept whatever the targets' alignment
+    prefetch = _fused_launch.PREFETCH
+    assert _fused_launch.vector_steps(steps | prefetch, 4, 32, 40) == prefetch
+    assert _fused_launch.vector_steps(steps | prefetch, 0, 32, 48) == steps | prefetch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_steps_too_large_for_the_cache_prefetch_with_the_same_bits(dtype, layout, norm, rng):
+    # the prefetch bit is set for inputs of CONFIG.stream_above bytes; at 0 every step sets it,
+    # and the last two tokens ask for rows past the projection's end
+    from arrayrope.backends.cpu import _config, _fused_launch
+
+    rope = ar.RoPE(64, style="half")
+    q, k, v = _qkv(rng, 6, 4, 2, 64, dtype, fused=True)
+    pos, slots = rng.integers(0, 5000, 6), rng.permutation(48)[:6]
+    slots[2] = -1
+    weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    options = {"q_norm": weight, "k_norm": weight} if norm else {}
+    found = []
+    for stream_above in (1 << 62, 0):
+        with _config.override(stream_above=stream_above):
+            assert bool(_fused_launch.prefetch_bit(q, k, v)) == (stream_above == 0)
+            k_cache, v_cache = _caches(np.random.default_rng(1), 3, 16, 2, 64, dtype, layout)
+            results = []
+            for _ in range(2):  # the second call takes the decode loop's short way
+                out = rope.rotate_into_cache(
+                    q, k, v, pos, k_cache, v_cache, slots, cache_layout=layout, **options
+                )
+                results.append(bits(out))
+            assert np.array_equal(results[0], results[1])
+            found.append((results[0], bits(k_cache), bits(v_cache)))
+    for a, b in zip(*found):
+        assert np.array_equal(a, b)
 
 
 def _off_the_grid(a):

@@ -18,7 +18,7 @@ from numba.extending import intrinsic, overload, register_jitable
 from ._config import VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
-from ._simd import copy_bytes, scale_row, sum_of_squares
+from ._simd import copy_bytes, prefetch_row, scale_row, sum_of_squares
 
 # The vector steps of the direct path (see _direct), with plain stores: a cache row is read
 # again soon (by attention), and a result row is as likely to be.
@@ -199,22 +199,26 @@ def _token(
 ):  # fmt: skip
     """Token t: each head of q into the result, and, unless its slot is negative (padding),
     each head of k and v into the caches. ``vector``: bit 0, q's rows take the vector steps;
-    bit 1, k's and v's (see launch). A normalized row takes them from ``scratch`` (d elements
+    bit 1, k's and v's (see launch); bit 2, each row of q, k and v asks for its token's row
+    two tokens on (see _fused_launch.prefetch_bit; past the last token, a request for memory
+    outside the operand does nothing). A normalized row takes them from ``scratch`` (d elements
     of the compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
     multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
     Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
-    c, s = cos[row], sin[row]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
     n = np.uint64(rotary_dim)
     zero = np.uint64(0)
     # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
     # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
-    # pair of reference-count calls (atomic) per array.
+    # pair of reference-count calls (atomic) per array. The table rows' views cos[row] and
+    # sin[row] are made only where the scalar rows take them, for the same reason.
     for head in range(hq):
         xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
         ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
+        if vector & 4:
+            prefetch_row(q, xb + np.uint64(2 * qs[1]), np.uint64(d))
         if vector & 1 and q_weight.shape[0]:
             _normalized(q, xb, d, q_weight, eps, scratch)
             if half_style:
@@ -231,7 +235,8 @@ def _token(
             if d > rotary_dim:
                 _copy_rows(q, xb, qo, ob, rotary_dim, d)
         else:
-            _row(q[xb:], qo[ob:], d, rotary_dim, c, s, half_style, inverse, q_weight, eps, 1.0)
+            _row(q[xb:], qo[ob:], d, rotary_dim, cos[row], sin[row], half_style, inverse,
+                 q_weight, eps, 1.0)  # fmt: skip
     slot = slots[t]
     if slot < 0:
         return
@@ -241,6 +246,9 @@ def _token(
         cb = np.uint64(kcs[0] + page * kcs[1] + offset * kcs[2] + head * kcs[3])
         vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
         vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
+        if vector & 4:
+            prefetch_row(k, kb + np.uint64(2 * ks[1]), np.uint64(d))
+            prefetch_row(v, vb + np.uint64(2 * vs[1]), np.uint64(d))
         if vector & 2 and k_weight.shape[0]:
             _normalized(k, kb, d, k_weight, eps, scratch)
             if half_style:
@@ -259,8 +267,8 @@ def _token(
                 _copy_rows(k, kb, kc, cb, rotary_dim, d)
             _copy_rows(v, vb, vc, vcb, 0, d)
         else:
-            _row(k[kb:], kc[cb:], d, rotary_dim, c, s, half_style, inverse, k_weight, eps,
-                 k_multiplier)  # fmt: skip
+            _row(k[kb:], kc[cb:], d, rotary_dim, cos[row], sin[row], half_style, inverse,
+                 k_weight, eps, k_multiplier)  # fmt: skip
             _copy(v[vb:], vc[vcb:], d, v_multiplier)
 
 

@@ -93,13 +93,14 @@ def _strides(a, base, first, second, third):
 # fused_step's statuses with the check, where it writes nothing: a slot out of range or used
 # twice; a position outside the table (or negative); a written array whose span meets another's
 SLOTS, PAST_THE_TABLE, OVERLAP = 1, 2, 3
+PREFETCH = 4  # a bit of the settings' vector steps (see prefetch_bit)
 
 
 @njit
 def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
     """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
-    whose targets' addresses are 16-byte aligned."""
-    steps = allowed & 1 if out_at % 16 == 0 else 0
+    whose targets' addresses are 16-byte aligned; the PREFETCH bit as given."""
+    steps = allowed & (1 | PREFETCH) if out_at % 16 == 0 else allowed & PREFETCH
     if k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
         steps |= allowed & 2
     return steps
@@ -245,6 +246,16 @@ def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
     return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), cos, sin, v))
 
 
+def prefetch_bit(q, k, v):
+    """PREFETCH where the step's inputs are too large for the cache (q, k and v together at
+    least CONFIG.stream_above bytes, the size past which results stream), else 0. With it the
+    step asks for each token's rows of q, k and v two tokens before it rotates them: the
+    CPU's own prefetching leaves the step waiting on memory there. In cache the requests only
+    cost instructions."""
+    large = q.nbytes + k.nbytes + v.nbytes >= _config.CONFIG.stream_above
+    return PREFETCH if large else 0
+
+
 def _vector(spec, x, targets, cos, sin, other=None):
     """Whether rows of ``x`` (and ``other``) may take the vector steps into ``targets``:
     targets of x's dtype (no float8 cache), and what the direct path needs (see
@@ -316,7 +327,7 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
     """Run the step over every token, on Numba's threads where it is large. The caller has
     checked every argument (see _kv_cache); ``numbers``: eps and the caches' multipliers, of
     the compute dtype."""
-    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin)
+    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin) | prefetch_bit(q, k, v)
     args = (
         *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
         q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),

@@ -5,7 +5,7 @@ to the compute type, the rotation, the store rounded to the storage type, with p
 streaming (non-temporal) stores. Chunk steps write 16 to 64 bytes of a row on the 16-byte grid
 whatever the grid of its pair blocks, with masked loads where a chunk crosses an edge. The rest
 are single instructions LLVM does not reach from Numba: row views typed as contiguous, the flat
-view of an array's memory, addresses, 64-byte streaming copies, the store fence.
+view of an array's memory, addresses, 64-byte streaming copies, the store fence, prefetch requests.
 
 Every step addresses its arrays by flat element offsets from their first element; the caller
 guarantees the offsets are in bounds (a chunk step's masked-off lanes aside).
@@ -118,6 +118,32 @@ def stream_line(typingctx, dst, di, src, si):
         return context.get_dummy_value()
 
     return types.void(dst, di, src, si), codegen
+
+
+@intrinsic
+def prefetch_row(typingctx, a, first, n):
+    """Ask the CPU to bring the ``n`` elements of a 1-D unit-stride array from ``first`` into
+    its second-level cache, one request per 64-byte line. A request never faults: the elements
+    may lie outside the array."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        start = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        nbytes = builder.mul(args[2], ir.Constant(args[2].type, a.dtype.bitwidth // 8))
+        i32 = ir.IntType(32)
+        name = "llvm.prefetch.p0" if ll.llvm_version_info >= (17,) else "llvm.prefetch.p0i8"
+        function = builder.module.globals.get(name)
+        if function is None:
+            kind = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            function = ir.Function(builder.module, kind, name)
+        zero, line = ir.Constant(nbytes.type, 0), ir.Constant(nbytes.type, 64)
+        with cgutils.for_range_slice(builder, zero, nbytes, line) as (offset, _):
+            # read (0), locality 2 (the second-level cache), data (1)
+            builder.call(function, [builder.gep(start, [offset]), i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(a, first, n), codegen
 
 
 @intrinsic
