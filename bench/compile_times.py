@@ -37,6 +37,13 @@ CASES = [
         "; p = np.arange(1024); ar.rotate(q, p); ar.rotate_qk(q, k, p, style='half')"
         "; ar.rotate(k, p, out=k)",
     ),
+    (
+        "the fused step (rotate_into_cache, 4 tokens)",
+        "q = np.ones((4, 8, 128), np.float32); k = np.ones((4, 2, 128), np.float32)"
+        "; c = np.zeros((2, 16, 2, 128), np.float32); d = c.copy()"
+        "; ar.RoPE(128, style='half').rotate_into_cache(q, k, k.copy(), np.arange(4), c, d,"
+        " np.arange(4))",
+    ),
 ]
 
 SCRIPT = """
