@@ -157,7 +157,7 @@ def test_kernels_on_the_software_float16_path():
 def test_vector_steps_round_bfloat16_results_once_at_every_scale(style):
     # The kernels' bfloat16 results are their float32 results rounded half to even, subnormals
     # included (a conversion instruction that flushes them to zero fails here): plain and
-    # streaming stores, and the fused step. Rows at scales from 2**-140 to 2**100.
+    # streaming stores, and the fused step. Rows at scales from 2**-140 to 2**99.
     import arrayrope as ar
     from arrayrope.backends.cpu import _config
 
@@ -168,7 +168,8 @@ def test_vector_steps_round_bfloat16_results_once_at_every_scale(style):
     rope = ar.RoPE(128, style=style)
     expected = rope.rotate(x.astype(np.float32), pos).astype(BF16)
     assert np.count_nonzero(np.abs(expected.astype(np.float32)) < 2.0**-126) > 1000
-    _same(rope.rotate(x, pos).astype(np.float32), expected.astype(np.float32))
+    with _config.override(stream_above=1 << 62):  # plain stores
+        _same(rope.rotate(x, pos).astype(np.float32), expected.astype(np.float32))
     with _config.override(stream_above=0):  # streaming stores
         out = np.empty_like(x)
         rope.rotate(x, pos, out=out)

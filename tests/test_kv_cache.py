@@ -140,26 +140,30 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("norm", [False, True])
-def test_steps_too_large_for_the_cache_prefetch_with_the_same_bits(dtype, layout, norm, rng):
-    # the prefetch bit is set for inputs of CONFIG.stream_above bytes; at 0 every step sets it,
-    # and the last two tokens ask for rows past the projection's end
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_steps_too_large_for_the_cache_prefetch_with_the_same_bits(dtype, order, rng):
+    # the prefetch bit is set for inputs of CONFIG.stream_above bytes; at 0 every step sets it.
+    # Reversed: tokens at a negative stride (the rows asked for lie below each token's), an
+    # HND cache and QK-norm. Token 4 is padding: token 2 asks for no k and v rows.
     from arrayrope.backends.cpu import _config, _fused_launch
 
+    reverse = order == "reversed"
+    layout = "HND" if reverse else "NHD"
     rope = ar.RoPE(64, style="half")
     q, k, v = _qkv(rng, 6, 4, 2, 64, dtype, fused=True)
+    if reverse:
+        q, k, v = q[::-1], k[::-1], v[::-1]
     pos, slots = rng.integers(0, 5000, 6), rng.permutation(48)[:6]
-    slots[2] = -1
+    slots[4] = -1
     weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
-    options = {"q_norm": weight, "k_norm": weight} if norm else {}
+    options = {"q_norm": weight, "k_norm": weight} if reverse else {}
     found = []
     for stream_above in (1 << 62, 0):
         with _config.override(stream_above=stream_above):
             assert bool(_fused_launch.prefetch_bit(q, k, v)) == (stream_above == 0)
             k_cache, v_cache = _caches(np.random.default_rng(1), 3, 16, 2, 64, dtype, layout)
             results = []
-            for _ in range(2):  # the second call takes the decode loop's short way
+            for _ in range(2):  # without norm, the second call takes the decode loop's way
                 out = rope.rotate_into_cache(
                     q, k, v, pos, k_cache, v_cache, slots, cache_layout=layout, **options
                 )

@@ -148,16 +148,18 @@ def _scaled(x, i, factor, weight):
 
 
 @njit(inline="always")
-def _row(x, o, d, rotary_dim, cos, sin, half_style, inverse, weight, eps, multiplier):
+def _row(x, o, d, rotary_dim, cos, sin, row, half_style, inverse, weight, eps, multiplier):
     """One head's row: ``x`` normalized (where ``weight`` is not empty), its rotary part turned
-    by the table row (cos, sin), into ``o``; the tail copied (normalized)."""
+    by row ``row`` of the tables (cos, sin), into ``o``; the tail copied (normalized). The
+    tables are indexed whole: a view of their row would cost a pair of reference-count calls
+    (atomic) at each head."""
     factor = _inverse_rms(x, d, weight, eps)
     n = rotary_dim // 2
     h = np.uint64(n)
     for j in range(n):
         k = np.uint64(j)
-        c = cos[k]
-        s = -sin[k] if inverse else sin[k]
+        c = cos[row, k]
+        s = -sin[row, k] if inverse else sin[row, k]
         two_k = np.uint64(2) * k
         ia, ib = (k, k + h) if half_style else (two_k, two_k + np.uint64(1))
         a = _scaled(x, ia, factor, weight)
@@ -199,9 +201,10 @@ def _token(
 ):  # fmt: skip
     """Token t: each head of q into the result, and, unless its slot is negative (padding),
     each head of k and v into the caches. ``vector``: bit 0, q's rows take the vector steps;
-    bit 1, k's and v's (see launch); bit 2, each row of q, k and v asks for its token's row
-    two tokens on (see _fused_launch.prefetch_bit; past the last token, a request for memory
-    outside the operand does nothing). A normalized row takes them from ``scratch`` (d elements
+    bit 1, k's and v's (see launch); bit 2, each row of q asks for its row two tokens on, and
+    k's and v's rows two tokens on are asked for unless that token is padding (see
+    _fused_launch.prefetch_bit; the caller sets the bit only where token t + 2 is in its
+    range). A normalized row takes them from ``scratch`` (d elements
     of the compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
     multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
     Numba does not inline.)"""
@@ -212,8 +215,7 @@ def _token(
     zero = np.uint64(0)
     # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
     # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
-    # pair of reference-count calls (atomic) per array. The table rows' views cos[row] and
-    # sin[row] are made only where the scalar rows take them, for the same reason.
+    # pair of reference-count calls (atomic) per array.
     for head in range(hq):
         xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
         ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
@@ -235,8 +237,12 @@ def _token(
             if d > rotary_dim:
                 _copy_rows(q, xb, qo, ob, rotary_dim, d)
         else:
-            _row(q[xb:], qo[ob:], d, rotary_dim, cos[row], sin[row], half_style, inverse,
-                 q_weight, eps, 1.0)  # fmt: skip
+            _row(q[xb:], qo[ob:], d, rotary_dim, cos, sin, row, half_style, inverse, q_weight,
+                 eps, 1.0)  # fmt: skip
+    if vector & 4 and slots[t + 2] >= 0:
+        for head in range(hkv):
+            prefetch_row(k, np.uint64(ks[0] + (t + 2) * ks[1] + head * ks[2]), np.uint64(d))
+            prefetch_row(v, np.uint64(vs[0] + (t + 2) * vs[1] + head * vs[2]), np.uint64(d))
     slot = slots[t]
     if slot < 0:
         return
@@ -246,9 +252,6 @@ def _token(
         cb = np.uint64(kcs[0] + page * kcs[1] + offset * kcs[2] + head * kcs[3])
         vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
         vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
-        if vector & 4:
-            prefetch_row(k, kb + np.uint64(2 * ks[1]), np.uint64(d))
-            prefetch_row(v, vb + np.uint64(2 * vs[1]), np.uint64(d))
         if vector & 2 and k_weight.shape[0]:
             _normalized(k, kb, d, k_weight, eps, scratch)
             if half_style:
@@ -267,8 +270,8 @@ def _token(
                 _copy_rows(k, kb, kc, cb, rotary_dim, d)
             _copy_rows(v, vb, vc, vcb, 0, d)
         else:
-            _row(k[kb:], kc[cb:], d, rotary_dim, cos[row], sin[row], half_style, inverse,
-                 k_weight, eps, k_multiplier)  # fmt: skip
+            _row(k[kb:], kc[cb:], d, rotary_dim, cos, sin, row, half_style, inverse, k_weight,
+                 eps, k_multiplier)  # fmt: skip
             _copy(v[vb:], vc[vcb:], d, v_multiplier)
 
 
@@ -292,12 +295,14 @@ def fused_range(
 ):  # fmt: skip
     """Tokens first..stop-1 on one thread. The int64 ``qs`` (and ``qos``, ``ks``, ``vs``) hold
     the operand's element offset, token stride and head stride; the caches' ``kcs`` and
-    ``vcs`` the offset and the block, offset-in-block and head strides."""
+    ``vcs`` the offset and the block, offset-in-block and head strides. ``vector``'s prefetch
+    bit is dropped for the range's last two tokens (see _token)."""
     scratch = _scratch(q_weight, k_weight, 1, d)[0]
     for t in range(first, stop):
+        steps = vector if t + 2 < stop else vector & 3
         _token(
             t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq,
-            hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, scratch,
+            hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, steps, scratch,
         )  # fmt: skip
 
 
@@ -306,13 +311,16 @@ def fused_parallel(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
     rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, tasks, total,
 ):  # fmt: skip
-    """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads."""
+    """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads, as fused_range
+    runs one."""
     scratch = _scratch(q_weight, k_weight, tasks, d)
     for task in prange(tasks):
         t = np.int64(task)
-        for token in range(total * t // tasks, total * (t + 1) // tasks):
+        end = total * (t + 1) // tasks
+        for token in range(total * t // tasks, end):
+            steps = vector if token + 2 < end else vector & 3
             _token(
                 token, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin,
                 block, hq, hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers,
-                vector, scratch[task],
+                steps, scratch[task],
             )  # fmt: skip

@@ -118,7 +118,8 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
     """Launch the step on arrays of any layout (the half types and float8 as their bits): their
     flat views, offsets and strides made here. ``settings`` (see :func:`settings`): block
     size, HND, rotary_dim, half style, the vector steps the layouts allow (see
-    :func:`layout_vector`) and whether to check; ``numbers``: eps and the caches'
+    :func:`layout_vector`) with the PREFETCH bit (see :func:`prefetch_bit`), and whether to
+    check; ``numbers``: eps and the caches'
     multipliers, of the compute dtype; ``tasks``: how many ranges of tokens Numba's threads
     share (0: the caller's thread runs them all).
 
@@ -249,9 +250,9 @@ def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
 def prefetch_bit(q, k, v):
     """PREFETCH where the step's inputs are too large for the cache (q, k and v together at
     least CONFIG.stream_above bytes, the size past which results stream), else 0. With it the
-    step asks for each token's rows of q, k and v two tokens before it rotates them: the
-    CPU's own prefetching leaves the step waiting on memory there. In cache the requests only
-    cost instructions."""
+    step asks for each token's rows of q, k and v two tokens before it rotates them (see
+    _fused._token): the CPU's own prefetching leaves the step waiting on memory there. In
+    cache the requests only cost instructions."""
     large = q.nbytes + k.nbytes + v.nbytes >= _config.CONFIG.stream_above
     return PREFETCH if large else 0
 

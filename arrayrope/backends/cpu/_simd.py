@@ -122,15 +122,18 @@ def stream_line(typingctx, dst, di, src, si):
 
 @intrinsic
 def prefetch_row(typingctx, a, first, n):
-    """Ask the CPU to bring the ``n`` elements of a 1-D unit-stride array from ``first`` into
-    its second-level cache, one request per 64-byte line. A request never faults: the elements
-    may lie outside the array."""
+    """Ask the CPU to bring the ``n`` (a 64-bit integer) elements of a 1-D unit-stride array
+    from ``first`` into its second-level cache, one request per 64-byte line they touch. A
+    request never faults: the elements may lie outside the array."""
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        start = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        nbytes = builder.mul(args[2], ir.Constant(args[2].type, a.dtype.bitwidth // 8))
+        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+        at = builder.ptrtoint(builder.gep(data, [args[1]]), i64)
+        line_start = builder.and_(at, i64(-64))
+        start = builder.inttoptr(line_start, i8p)
+        size = builder.mul(args[2], ir.Constant(args[2].type, a.dtype.bitwidth // 8))
+        nbytes = builder.add(size, builder.sub(at, line_start))  # from the first line's start
         i32 = ir.IntType(32)
         name = "llvm.prefetch.p0" if ll.llvm_version_info >= (17,) else "llvm.prefetch.p0i8"
         function = builder.module.globals.get(name)
@@ -245,14 +248,14 @@ def _narrow(builder, dtype, value, nontemporal=False):
     if dtype != types.uint16:
         return value
     rounded = _bf16_round_lanes(builder, value)  # bfloat16 bits in each word's high half
-    if nontemporal:  # stored in 16-byte pieces (see _store_streaming): narrowed vector by vector
+    if nontemporal:  # x86-64 stores it in 16-byte pieces (see _store_streaming): per vector
         return builder.trunc(
             builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
             ir.VectorType(ir.IntType(16), lanes),
         )
     # For a plain store, the high halves (the second of each word's, little-endian) picked by
-    # one shuffle: AVX-512 makes it one vpermt2w per two vectors, in place of a shift and a
-    # narrowing of each vector and a merge.
+    # one shuffle, which AVX-512 makes one vpermt2w per two vectors: fewer instructions than a
+    # shift and a narrowing of each vector and a merge.
     words = builder.bitcast(rounded, ir.VectorType(ir.IntType(16), 2 * lanes))
     high = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [2 * k + 1 for k in range(lanes)])
     return builder.shuffle_vector(words, words, high)
