@@ -204,8 +204,8 @@ def _token(
     bit 1, k's and v's (see launch); bit 2, each row of q asks for its row two tokens on, and
     k's and v's rows two tokens on are asked for unless that token is padding (see
     _fused_launch.prefetch_bit; the caller sets the bit only where token t + 2 is in its
-    range). A normalized row takes them from ``scratch`` (d elements
-    of the compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
+    range). A normalized row takes the vector steps from ``scratch`` (d elements of the
+    compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
     multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
     Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]

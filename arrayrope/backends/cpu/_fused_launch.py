@@ -119,9 +119,8 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
     flat views, offsets and strides made here. ``settings`` (see :func:`settings`): block
     size, HND, rotary_dim, half style, the vector steps the layouts allow (see
     :func:`layout_vector`) with the PREFETCH bit (see :func:`prefetch_bit`), and whether to
-    check; ``numbers``: eps and the caches'
-    multipliers, of the compute dtype; ``tasks``: how many ranges of tokens Numba's threads
-    share (0: the caller's thread runs them all).
+    check; ``numbers``: eps and the caches' multipliers, of the compute dtype; ``tasks``: how
+    many ranges of tokens Numba's threads share (0: the caller's thread runs them all).
 
     With the check, the call's own inputs are checked first and 0 means launched; else nothing
     is written and the status names the first failure: SLOTS (slots or positions not one per

@@ -5,7 +5,7 @@ to the compute type, the rotation, the store rounded to the storage type, with p
 streaming (non-temporal) stores. Chunk steps write 16 to 64 bytes of a row on the 16-byte grid
 whatever the grid of its pair blocks, with masked loads where a chunk crosses an edge. The rest
 are single instructions LLVM does not reach from Numba: row views typed as contiguous, the flat
-view of an array's memory, addresses, 64-byte streaming copies, the store fence, prefetch requests.
+view of an array's memory, addresses, 64-byte streaming copies, the store fence, prefetches.
 
 Every step addresses its arrays by flat element offsets from their first element; the caller
 guarantees the offsets are in bounds (a chunk step's masked-off lanes aside).
