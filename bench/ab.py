@@ -118,27 +118,20 @@ def cases(ar, rng_seed=0):
     for dtype in (np.float32, ml_dtypes.bfloat16) if fused else ():
         for label, n in (("prefill", 2048), ("decode", 32)):
             found[f"rotate_into_cache {label} {np.dtype(dtype).name}"] = _fused_step(
-                ar, rng, n, dtype, label == "decode"
+                ar, n, dtype, label == "decode"
             )
     return found
 
 
-def _fused_step(ar, rng, n, dtype, decode):
-    """(the call, bytes moved) of a RoPE.rotate_into_cache step as bench/kv_cache.py makes it:
-    q (32 heads), k and v (8) views of one projection, d 128, an NHD cache of 16-slot blocks;
-    decode tokens at mixed positions into scattered slots. Bytes None for decode (timed per
-    call)."""
-    qkv = rng.standard_normal((n, 48 * 128)).astype(dtype)
-    q, k, v = (
-        qkv[:, a * 128 : b * 128].reshape(n, -1, 128) for a, b in ((0, 32), (32, 40), (40, 48))
-    )
-    blocks = 256 if decode else n // 16 + 64
-    k_cache = np.ones((blocks, 16, 8, 128), dtype)
-    v_cache = np.ones_like(k_cache)
-    pos = rng.integers(0, 30_000, n) if decode else np.arange(n) + 100
-    slots = rng.permutation(blocks * 16)[:n] if decode else np.arange(n) + 64
+def _fused_step(ar, n, dtype, decode):
+    """(the call, bytes moved) of a RoPE.rotate_into_cache step on bench/kv_cache.py's arrays
+    (prefill, or decode tokens at mixed positions into scattered slots). Bytes None for decode
+    (timed per call)."""
+    from kv_cache import D, _arrays
+
+    q, k, v, pos, k_cache, v_cache, slots, qkv = _arrays(n, dtype, decode)
     out = np.empty_like(q)
-    rope = ar.RoPE(128, style="half")
+    rope = ar.RoPE(D, style="half")
 
     def step():
         rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
