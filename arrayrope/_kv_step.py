@@ -148,7 +148,7 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     if spec.dynamic or spec.n_axes != 1 or not (k_cache.dtype == v_cache.dtype == q.dtype):
         return
     vector = _fused_launch.layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin)
-    vector |= _fused_launch.prefetch_bit(q, k, v)
+    vector |= _fused_launch.large_step_bits(q, k, v)
     settings = _fused_launch.settings(spec, block, layout, vector, True)
     bits = _fused_launch.bits_of(q.dtype) is not None
     # whether an operand is read-only, from the key's flags: the launch takes such operands

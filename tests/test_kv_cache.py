@@ -130,27 +130,35 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     fp8 = np.zeros(k_cache.shape, FP8)
     assert _fused_launch.layout_vector(*args[:5], fp8, fp8, cos, sin) == steps & 1
     # a target off the 16-byte grid takes the row loop
-    assert _fused_launch.vector_steps(steps, 0, 32, 48) == steps
-    assert _fused_launch.vector_steps(steps, 4, 32, 48) == steps & 2
-    assert _fused_launch.vector_steps(steps, 0, 32, 40) == steps & 1
-    # the prefetch bit (see prefetch_bit) is kept whatever the targets' alignment
-    prefetch = _fused_launch.PREFETCH
-    assert _fused_launch.vector_steps(steps | prefetch, 4, 32, 40) == prefetch
-    assert _fused_launch.vector_steps(steps | prefetch, 0, 32, 48) == steps | prefetch
+    assert _fused_launch.vector_steps(steps, 0, 64, 32, 48) == steps
+    assert _fused_launch.vector_steps(steps, 0, 4, 32, 48) == steps & 2
+    assert _fused_launch.vector_steps(steps, 0, 64, 32, 40) == steps & 1
+    # a large step's bits (see large_step_bits): the prefetch whatever the targets' alignment,
+    # each streaming bit with its vector steps, q's not where out is q (in place)
+    large = _fused_launch.PREFETCH | _fused_launch.STREAM_Q | _fused_launch.STREAM_KV
+    prefetch, stream_q = _fused_launch.PREFETCH, _fused_launch.STREAM_Q
+    assert _fused_launch.vector_steps(steps | large, 0, 4, 32, 40) == prefetch
+    expected = steps | large if steps else prefetch
+    assert _fused_launch.vector_steps(steps | large, 0, 64, 32, 48) == expected
+    assert _fused_launch.vector_steps(steps | large, 64, 64, 32, 48) == expected & ~stream_q
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("order", ["forward", "reversed"])
-def test_steps_too_large_for_the_cache_prefetch_with_the_same_bits(dtype, order, rng):
-    # the prefetch bit is set for inputs of CONFIG.stream_above bytes; at 0 every step sets it.
+@pytest.mark.parametrize("case", ["forward", "partial", "partial, in place", "reversed, QK-norm"])
+def test_steps_too_large_for_the_cache_prefetch_and_stream_with_the_same_bits(dtype, case, rng):
+    # A large step's bits (prefetch, streaming stores) are set for inputs of
+    # CONFIG.stream_above bytes; at 0 every step sets them. Partial: d = 72, whose rows' tails
+    # and v's rows stream in 64- and 16-byte copies (q's not where it is rotated in place).
     # Reversed: tokens at a negative stride (the rows asked for lie below each token's), an
-    # HND cache and QK-norm. Token 4 is padding: token 2 asks for no k and v rows.
+    # HND cache and QK-norm (normalized rows store plainly). Token 4 is padding: token 2 asks
+    # for no k and v rows.
     from arrayrope.backends.cpu import _config, _fused_launch
 
-    reverse = order == "reversed"
+    reverse, in_place = case.startswith("reversed"), "in place" in case
     layout = "HND" if reverse else "NHD"
-    rope = ar.RoPE(64, style="half")
-    q, k, v = _qkv(rng, 6, 4, 2, 64, dtype, fused=True)
+    d = 72 if case.startswith("partial") else 64
+    rope = ar.RoPE(d, style="half", rotary_dim=32 if d == 72 else None)
+    q, k, v = _qkv(rng, 6, 4, 2, d, dtype, fused=True)
     if reverse:
         q, k, v = q[::-1], k[::-1], v[::-1]
     pos, slots = rng.integers(0, 5000, 6), rng.permutation(48)[:6]
@@ -160,13 +168,16 @@ def test_steps_too_large_for_the_cache_prefetch_with_the_same_bits(dtype, order,
     found = []
     for stream_above in (1 << 62, 0):
         with _config.override(stream_above=stream_above):
-            assert bool(_fused_launch.prefetch_bit(q, k, v)) == (stream_above == 0)
-            k_cache, v_cache = _caches(np.random.default_rng(1), 3, 16, 2, 64, dtype, layout)
+            large = _fused_launch.large_step_bits(q, k, v)
+            assert large == (0 if stream_above else 28)  # PREFETCH | STREAM_Q | STREAM_KV
+            k_cache, v_cache = _caches(np.random.default_rng(1), 3, 16, 2, d, dtype, layout)
             results = []
             for _ in range(2):  # without norm, the second call takes the decode loop's way
-                out = rope.rotate_into_cache(
-                    q, k, v, pos, k_cache, v_cache, slots, cache_layout=layout, **options
-                )
+                out = q.copy() if in_place else np.full_like(q, np.nan)
+                got = rope.rotate_into_cache(q if not in_place else out, k, v, pos, k_cache,
+                                             v_cache, slots, cache_layout=layout, out=out,
+                                             **options)  # fmt: skip
+                assert got is out
                 results.append(bits(out))
             assert np.array_equal(results[0], results[1])
             found.append((results[0], bits(k_cache), bits(v_cache)))
@@ -205,7 +216,7 @@ def test_normed_rows_in_vector_steps_have_the_row_loops_bits(dtype, style, d, ro
         out = place(out)
         table = np.zeros((1, rotary_dim), np.float32)  # unit-stride rows, as the launch's are
         steps = _fused_launch.layout_vector(rope._spec, q, out, k, v, kc, vc, table, table)
-        at = [_arrays.address(a) for a in (out, kc, vc)]
+        at = [_arrays.address(a) for a in (q, out, kc, vc)]
         results.append((_fused_launch.vector_steps(steps, *at), out, kc, vc))
         rope.rotate_into_cache(q, k, v, pos, kc, vc, slots, out=out, q_norm=weights[0],
                                k_norm=weights[1], norm_eps=1e-5)  # fmt: skip

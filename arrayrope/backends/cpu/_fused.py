@@ -18,15 +18,23 @@ from numba.extending import intrinsic, overload, register_jitable
 from ._config import VECTOR_BYTES
 from ._convert import load, store
 from ._ladder import ladder
-from ._simd import copy_bytes, prefetch_row, scale_row, sum_of_squares
+from ._simd import copy_bytes, prefetch_row, scale_row, store_fence, sum_of_squares
 
-# The vector steps of the direct path (see _direct), with plain stores: a cache row is read
-# again soon (by attention), and a result row is as likely to be.
+# The bits of ``vector`` (see _token) past the two that choose the vector steps: a step too
+# large for the cache (see _fused_launch.large_step_bits) prefetches its rows, and q's rows
+# (STREAM_Q) and the caches' (STREAM_KV) that take the vector steps are written with streaming
+# stores, which skip reading each line before it is written. Smaller steps store plainly: a
+# cache row is read again soon (by attention), and a result row is as likely to be.
+PREFETCH, STREAM_Q, STREAM_KV = 4, 8, 16
+
+# The vector steps of the direct path (see _direct), with plain and with streaming stores.
 _WIDTHS = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
 _HALF_ROW = ladder(True, _WIDTHS, False)
 _PAIR_ROW = ladder(False, _WIDTHS, False)
-_COPY_64 = copy_bytes(False, 64)
-_COPY_16 = copy_bytes(False, 16)
+_HALF_ROW_STREAMING = ladder(True, _WIDTHS, True)
+_PAIR_ROW_STREAMING = ladder(False, _WIDTHS, True)
+_COPY_64, _COPY_16 = copy_bytes(False, 64), copy_bytes(False, 16)
+_STREAM_64, _STREAM_16 = copy_bytes(True, 64), copy_bytes(True, 16)
 
 
 @intrinsic
@@ -179,13 +187,23 @@ def _copy(x, o, d, multiplier):
 
 
 @register_jitable
-def _copy_rows(x, xr, o, orow, first, end):
+def _copy_rows(x, xr, o, orow, first, end, streaming):
     """o[orow + first:orow + end] = x[xr + first:...], in 64-byte then 16-byte steps (the
-    launcher checks every row is a whole number of 16 bytes at 16-byte aligned stores)."""
+    launcher checks every row is a whole number of 16 bytes at 16-byte aligned stores), with
+    streaming stores where ``streaming``. (One loop per kind of store: a loop that branched
+    on it would have LLVM merge the two stores into one, which loses its streaming mark.)"""
     step = np.uint64(64 // o.itemsize)
     step_16 = np.uint64(16 // o.itemsize)
     t = np.uint64(first)
     end = np.uint64(end)
+    if streaming:
+        while t + step <= end:
+            _STREAM_64(x, xr + t, o, orow + t)
+            t += step
+        while t < end:
+            _STREAM_16(x, xr + t, o, orow + t)
+            t += step_16
+        return
     while t + step <= end:
         _COPY_64(x, xr + t, o, orow + t)
         t += step
@@ -201,25 +219,27 @@ def _token(
 ):  # fmt: skip
     """Token t: each head of q into the result, and, unless its slot is negative (padding),
     each head of k and v into the caches. ``vector``: bit 0, q's rows take the vector steps;
-    bit 1, k's and v's (see launch); bit 2, each row of q asks for its row two tokens on, and
-    k's and v's rows two tokens on are asked for unless that token is padding (see
-    _fused_launch.prefetch_bit; the caller sets the bit only where token t + 2 is in its
-    range). A normalized row takes the vector steps from ``scratch`` (d elements of the
-    compute dtype), where :func:`_normalized` puts it. ``numbers``: eps and the caches'
-    multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
-    Numba does not inline.)"""
+    bit 1, k's and v's (see launch); PREFETCH, each row of q asks for its row two tokens on,
+    and k's and v's rows two tokens on are asked for unless that token is padding (the caller
+    sets the bit only where token t + 2 is in its range); STREAM_Q and STREAM_KV, q's and the
+    caches' rows that take the vector steps from their input are written with streaming stores
+    (see _fused_launch.large_step_bits). A normalized row takes the vector steps from
+    ``scratch`` (d elements of the compute dtype), where :func:`_normalized` puts it, with
+    plain stores. ``numbers``: eps and the caches' multipliers. (Thirty arguments at most:
+    CPython passes a longer call's as a tuple, which Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
     n = np.uint64(rotary_dim)
     zero = np.uint64(0)
+    stream_q, stream_kv = vector & STREAM_Q != 0, vector & STREAM_KV != 0
     # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
     # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
     # pair of reference-count calls (atomic) per array.
     for head in range(hq):
         xb = np.uint64(qs[0] + t * qs[1] + head * qs[2])
         ob = np.uint64(qos[0] + t * qos[1] + head * qos[2])
-        if vector & 4:
+        if vector & PREFETCH:
             prefetch_row(q, xb + np.uint64(2 * qs[1]), np.uint64(d))
         if vector & 1 and q_weight.shape[0]:
             _normalized(q, xb, d, q_weight, eps, scratch)
@@ -230,16 +250,20 @@ def _token(
             for j in range(rotary_dim, d):
                 store(qo, ob + np.uint64(j), scratch[j])
         elif vector & 1:
-            if half_style:
+            if stream_q and half_style:
+                _HALF_ROW_STREAMING(q, xb, qo, ob, n, cos, sin, tb, inverse)
+            elif stream_q:
+                _PAIR_ROW_STREAMING(q, xb, qo, ob, n, cos, sin, tb, inverse)
+            elif half_style:
                 _HALF_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
             else:
                 _PAIR_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
             if d > rotary_dim:
-                _copy_rows(q, xb, qo, ob, rotary_dim, d)
+                _copy_rows(q, xb, qo, ob, rotary_dim, d, stream_q)
         else:
             _row(q[xb:], qo[ob:], d, rotary_dim, cos, sin, row, half_style, inverse, q_weight,
                  eps, 1.0)  # fmt: skip
-    if vector & 4 and slots[t + 2] >= 0:
+    if vector & PREFETCH and slots[t + 2] >= 0:
         for head in range(hkv):
             prefetch_row(k, np.uint64(ks[0] + (t + 2) * ks[1] + head * ks[2]), np.uint64(d))
             prefetch_row(v, np.uint64(vs[0] + (t + 2) * vs[1] + head * vs[2]), np.uint64(d))
@@ -260,15 +284,19 @@ def _token(
                 _PAIR_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
             for j in range(rotary_dim, d):
                 store(kc, cb + np.uint64(j), scratch[j])
-            _copy_rows(v, vb, vc, vcb, 0, d)
+            _copy_rows(v, vb, vc, vcb, 0, d, False)
         elif vector & 2:
-            if half_style:
+            if stream_kv and half_style:
+                _HALF_ROW_STREAMING(k, kb, kc, cb, n, cos, sin, tb, inverse)
+            elif stream_kv:
+                _PAIR_ROW_STREAMING(k, kb, kc, cb, n, cos, sin, tb, inverse)
+            elif half_style:
                 _HALF_ROW(k, kb, kc, cb, n, cos, sin, tb, inverse)
             else:
                 _PAIR_ROW(k, kb, kc, cb, n, cos, sin, tb, inverse)
             if d > rotary_dim:
-                _copy_rows(k, kb, kc, cb, rotary_dim, d)
-            _copy_rows(v, vb, vc, vcb, 0, d)
+                _copy_rows(k, kb, kc, cb, rotary_dim, d, stream_kv)
+            _copy_rows(v, vb, vc, vcb, 0, d, stream_kv)
         else:
             _row(k[kb:], kc[cb:], d, rotary_dim, cos, sin, row, half_style, inverse, k_weight,
                  eps, k_multiplier)  # fmt: skip
@@ -276,11 +304,11 @@ def _token(
 
 
 @njit(inline="always")
-def _scratch(q_weight, k_weight, tasks, d):
-    """A row of the compute dtype (the weights') for each task, where a norm needs one: d
-    rounded up to a multiple of 8 (see _simd.scale_row)."""
+def _scratch(q_weight, k_weight, d):
+    """A row of the compute dtype (the weights'), where a norm needs one: d rounded up to a
+    multiple of 8 (see _simd.scale_row)."""
     row = (d + 7) // 8 * 8 if q_weight.shape[0] or k_weight.shape[0] else 0
-    return np.empty((tasks, row), q_weight.dtype)
+    return np.empty(row, q_weight.dtype)
 
 
 # fused_range and fused_parallel are compiled only into fused_step (_fused_launch), which the
@@ -288,6 +316,9 @@ def _scratch(q_weight, k_weight, tasks, d):
 # callee that was loaded from the cache calls it at an address that a later process, loading
 # the caller alone, leaves 0 (Numba 0.68; a plain callee links). fused_range is compiled in
 # too, so that the launcher's build never depends on what the cache held when it compiled.
+# fused_parallel calls fused_range for each range rather than inlining _token a second time:
+# Numba types and lowers the step's body once, and LLVM optimizes it once (a third of the
+# build's time).
 @njit(nogil=True)
 def fused_range(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
@@ -295,15 +326,18 @@ def fused_range(
 ):  # fmt: skip
     """Tokens first..stop-1 on one thread. The int64 ``qs`` (and ``qos``, ``ks``, ``vs``) hold
     the operand's element offset, token stride and head stride; the caches' ``kcs`` and
-    ``vcs`` the offset and the block, offset-in-block and head strides. ``vector``'s prefetch
-    bit is dropped for the range's last two tokens (see _token)."""
-    scratch = _scratch(q_weight, k_weight, 1, d)[0]
+    ``vcs`` the offset and the block, offset-in-block and head strides. ``vector``'s PREFETCH
+    bit is dropped for the range's last two tokens (see _token); where it streams, the range
+    ends in a store fence."""
+    scratch = _scratch(q_weight, k_weight, d)
     for t in range(first, stop):
-        steps = vector if t + 2 < stop else vector & 3
+        steps = vector if t + 2 < stop else vector & ~PREFETCH
         _token(
             t, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq,
             hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, steps, scratch,
         )  # fmt: skip
+    if vector & (STREAM_Q | STREAM_KV):
+        store_fence()
 
 
 @njit(parallel=True)
@@ -311,16 +345,12 @@ def fused_parallel(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
     rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector, tasks, total,
 ):  # fmt: skip
-    """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads, as fused_range
-    runs one."""
-    scratch = _scratch(q_weight, k_weight, tasks, d)
+    """The tokens 0..total-1 split into ``tasks`` ranges on Numba's threads, each run by
+    fused_range."""
     for task in prange(tasks):
         t = np.int64(task)
-        end = total * (t + 1) // tasks
-        for token in range(total * t // tasks, end):
-            steps = vector if token + 2 < end else vector & 3
-            _token(
-                token, q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin,
-                block, hq, hkv, rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers,
-                steps, scratch[task],
-            )  # fmt: skip
+        fused_range(
+            q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,
+            rotary_dim, d, half_style, inverse, q_weight, k_weight, numbers, vector,
+            total * t // tasks, total * (t + 1) // tasks,
+        )  # fmt: skip

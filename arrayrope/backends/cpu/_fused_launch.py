@@ -14,7 +14,7 @@ from numba import njit
 from . import _config
 from ._config import DISK_CACHE, HARDWARE_F16
 from ._decode import memory_span
-from ._fused import fused_parallel, fused_range
+from ._fused import PREFETCH, STREAM_KV, STREAM_Q, fused_parallel, fused_range
 from ._simd import span
 from ._step_checks import bounds, check_slots
 
@@ -93,16 +93,19 @@ def _strides(a, base, first, second, third):
 # fused_step's statuses with the check, where it writes nothing: a slot out of range or used
 # twice; a position outside the table (or negative); a written array whose span meets another's
 SLOTS, PAST_THE_TABLE, OVERLAP = 1, 2, 3
-PREFETCH = 4  # a bit of the settings' vector steps (see prefetch_bit)
 
 
 @njit
-def vector_steps(allowed, out_at, k_cache_at, v_cache_at):
+def vector_steps(allowed, q_at, out_at, k_cache_at, v_cache_at):
     """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
-    whose targets' addresses are 16-byte aligned; the PREFETCH bit as given."""
-    steps = allowed & (1 | PREFETCH) if out_at % 16 == 0 else allowed & PREFETCH
-    if k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
-        steps |= allowed & 2
+    whose targets' addresses are 16-byte aligned, each with its streaming bit as given (q's
+    not where out is q: rotated in place, its lines are read anyway); the PREFETCH bit as
+    given (see :func:`large_step_bits`)."""
+    steps = allowed & PREFETCH
+    if allowed & 1 and out_at % 16 == 0:
+        steps |= 1 | (allowed & STREAM_Q if out_at != q_at else 0)
+    if allowed & 2 and k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
+        steps |= 2 | (allowed & STREAM_KV)
     return steps
 
 
@@ -118,9 +121,10 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
     """Launch the step on arrays of any layout (the half types and float8 as their bits): their
     flat views, offsets and strides made here. ``settings`` (see :func:`settings`): block
     size, HND, rotary_dim, half style, the vector steps the layouts allow (see
-    :func:`layout_vector`) with the PREFETCH bit (see :func:`prefetch_bit`), and whether to
-    check; ``numbers``: eps and the caches' multipliers, of the compute dtype; ``tasks``: how
-    many ranges of tokens Numba's threads share (0: the caller's thread runs them all).
+    :func:`layout_vector`) with the bits of a large step (see :func:`large_step_bits`), and
+    whether to check; ``numbers``: eps and the caches' multipliers, of the compute dtype;
+    ``tasks``: how many ranges of tokens Numba's threads share (0: the caller's thread runs
+    them all).
 
     With the check, the call's own inputs are checked first and 0 means launched; else nothing
     is written and the status names the first failure: SLOTS (slots or positions not one per
@@ -170,7 +174,7 @@ def fused_step(q, out, k, v, kc, vc, slots, rows, cos, sin, q_weight, k_weight, 
         of, ob = _flat(out, spans[1])
         os_ = _strides(out, ob, 0, 1, -1)
     offset, heads = (2, 1) if hnd else (1, 2)
-    vector = vector_steps(settings[4], at[1], at[4], at[5])
+    vector = vector_steps(settings[4], at[0], at[1], at[4], at[5])
     args = (
         qf, of, kf, vf, kcf, vcf, qs, os_, _strides(k, kb, 0, 1, -1), _strides(v, vb, 0, 1, -1),
         _strides(kc, kcb, 0, offset, heads), _strides(vc, vcb, 0, offset, heads), slots, rows,
@@ -246,14 +250,17 @@ def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
     return vector | 2 * int(_vector(spec, k, (k_cache, v_cache), cos, sin, v))
 
 
-def prefetch_bit(q, k, v):
-    """PREFETCH where the step's inputs are too large for the cache (q, k and v together at
-    least CONFIG.stream_above bytes, the size past which results stream), else 0. With it the
-    step asks for each token's rows of q, k and v two tokens before it rotates them (see
-    _fused._token): the CPU's own prefetching leaves the step waiting on memory there. In
-    cache the requests only cost instructions."""
+def large_step_bits(q, k, v):
+    """PREFETCH | STREAM_Q | STREAM_KV where the step's inputs are too large for the cache (q,
+    k and v together at least CONFIG.stream_above bytes, the size past which rotate's results
+    stream), else 0. With them the step asks for each token's rows of q, k and v two tokens
+    before it rotates them (see _fused._token): the CPU's own prefetching leaves the step
+    waiting on memory there; and its results and cache rows that take the vector steps are
+    written with streaming stores, as rotate's are: a plain store would first read each line
+    it writes. In cache the requests only cost instructions, and plain stores leave the rows
+    in cache for attention."""
     large = q.nbytes + k.nbytes + v.nbytes >= _config.CONFIG.stream_above
-    return PREFETCH if large else 0
+    return PREFETCH | STREAM_Q | STREAM_KV if large else 0
 
 
 def _vector(spec, x, targets, cos, sin, other=None):
@@ -316,9 +323,13 @@ def writable(a):
 
 def run(args, n, threaded):
     """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
-    launch them, in ranges of tokens a few per thread."""
+    launch them, in two ranges of tokens per thread (Numba's threads at most: a count that
+    numba.set_num_threads lowers still shares them). Each range is a call of
+    _fused.fused_range, whose own cost (its arrays' reference counts, its scratch row) a
+    decode step split into many ranges would pay many times; asking Numba for the current
+    count costs a decode step more than that."""
     if threaded and _config.threads_usable():
-        return _config.run_parallel(_step, *args, min(n, 16 * numba.get_num_threads()))
+        return _config.run_parallel(_step, *args, min(n, 2 * numba.config.NUMBA_NUM_THREADS))
     return _step(*args, 0)
 
 
@@ -327,7 +338,8 @@ def launch(q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, layout,
     """Run the step over every token, on Numba's threads where it is large. The caller has
     checked every argument (see _kv_cache); ``numbers``: eps and the caches' multipliers, of
     the compute dtype."""
-    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin) | prefetch_bit(q, k, v)
+    vector = layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin)
+    vector |= large_step_bits(q, k, v)
     args = (
         *(bits_view(a) for a in (q, out, k, v, k_cache, v_cache)), slots, rows, cos, sin,
         q_weight, k_weight, numbers, settings(spec, block, layout, vector, False),
