@@ -225,8 +225,10 @@ def _token(
     caches' rows that take the vector steps from their input are written with streaming stores
     (see _fused_launch.large_step_bits). A normalized row takes the vector steps from
     ``scratch`` (d elements of the compute dtype), where :func:`_normalized` puts it, with
-    plain stores. ``numbers``: eps and the caches' multipliers. (Thirty arguments at most:
-    CPython passes a longer call's as a tuple, which Numba does not inline.)"""
+    plain stores: streaming ones made a large normalized step slower, not faster, and its
+    tail is stored element by element. ``numbers``: eps and the caches' multipliers. (Thirty
+    arguments at most: CPython passes a longer call's as a tuple, which Numba does not
+    inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
