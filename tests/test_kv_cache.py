@@ -135,41 +135,55 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     assert _fused_launch.vector_steps(steps, 0, 64, 32, 40) == steps & 1
     # a large step's bits (see large_step_bits): the prefetch whatever the targets' alignment,
     # each streaming bit with its vector steps, q's not where out is q (in place)
-    large = _fused_launch.PREFETCH | _fused_launch.STREAM_Q | _fused_launch.STREAM_KV
-    prefetch, stream_q = _fused_launch.PREFETCH, _fused_launch.STREAM_Q
-    assert _fused_launch.vector_steps(steps | large, 0, 4, 32, 40) == prefetch
-    expected = steps | large if steps else prefetch
-    assert _fused_launch.vector_steps(steps | large, 0, 64, 32, 48) == expected
-    assert _fused_launch.vector_steps(steps | large, 64, 64, 32, 48) == expected & ~stream_q
+    prefetch, stream_q, stream_kv = (
+        _fused_launch.PREFETCH,
+        _fused_launch.STREAM_Q,
+        _fused_launch.STREAM_KV,
+    )
+    large = steps | prefetch | stream_q | stream_kv
+    assert _fused_launch.vector_steps(large, 0, 4, 32, 40) == prefetch
+    expected = large if steps else prefetch
+    assert _fused_launch.vector_steps(large, 0, 64, 32, 48) == expected
+    assert _fused_launch.vector_steps(large, 64, 64, 32, 48) == expected & ~stream_q
+    q_only, kv_only = (1 | prefetch | stream_q, 2 | prefetch | stream_kv) if steps else (4, 4)
+    assert _fused_launch.vector_steps(large, 0, 64, 32, 40) == q_only
+    assert _fused_launch.vector_steps(large, 0, 4, 32, 48) == kv_only
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ["forward", "partial", "partial, in place", "reversed, QK-norm"])
+@pytest.mark.parametrize(
+    "case",
+    ["forward", "partial, interleaved", "partial, in place", "reversed", "threads, QK-norm"],
+)
 def test_steps_too_large_for_the_cache_prefetch_and_stream_with_the_same_bits(dtype, case, rng):
-    # A large step's bits (prefetch, streaming stores) are set for inputs of
+    # A large step's bits (prefetch and, on x86-64, streaming stores) are set for inputs of
     # CONFIG.stream_above bytes; at 0 every step sets them. Partial: d = 72, whose rows' tails
     # and v's rows stream in 64- and 16-byte copies (q's not where it is rotated in place).
-    # Reversed: tokens at a negative stride (the rows asked for lie below each token's), an
-    # HND cache and QK-norm (normalized rows store plainly). Token 4 is padding: token 2 asks
-    # for no k and v rows.
+    # Reversed: tokens at a negative stride (the rows asked for lie below each token's) into an
+    # HND cache. Threads: ranges of one or two tokens on Numba's threads, each with its own
+    # scratch row for QK-norm (normalized rows store plainly). Token 4 is padding: token 2
+    # asks for no k and v rows.
     from arrayrope.backends.cpu import _config, _fused_launch
 
-    reverse, in_place = case.startswith("reversed"), "in place" in case
+    reverse, in_place, threads = case == "reversed", "in place" in case, case.startswith("thr")
     layout = "HND" if reverse else "NHD"
     d = 72 if case.startswith("partial") else 64
-    rope = ar.RoPE(d, style="half", rotary_dim=32 if d == 72 else None)
+    style = "interleaved" if "interleaved" in case else "half"
+    rope = ar.RoPE(d, style=style, rotary_dim=32 if d == 72 else None)
     q, k, v = _qkv(rng, 6, 4, 2, d, dtype, fused=True)
     if reverse:
         q, k, v = q[::-1], k[::-1], v[::-1]
     pos, slots = rng.integers(0, 5000, 6), rng.permutation(48)[:6]
     slots[4] = -1
     weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
-    options = {"q_norm": weight, "k_norm": weight} if reverse else {}
+    options = {"q_norm": weight, "k_norm": weight} if threads else {}
+    streams = _fused_launch.STREAM_Q | _fused_launch.STREAM_KV if _config.STREAMING else 0
     found = []
-    for stream_above in (1 << 62, 0):
-        with _config.override(stream_above=stream_above):
+    # the step of one thread that stores plainly, then the large step (on Numba's threads)
+    for stream_above, serial_below in ((1 << 62, 1 << 16), (0, 0 if threads else 1 << 16)):
+        with _config.override(stream_above=stream_above, serial_below=serial_below):
             large = _fused_launch.large_step_bits(q, k, v)
-            assert large == (0 if stream_above else 28)  # PREFETCH | STREAM_Q | STREAM_KV
+            assert large == (0 if stream_above else _fused_launch.PREFETCH | streams)
             k_cache, v_cache = _caches(np.random.default_rng(1), 3, 16, 2, d, dtype, layout)
             results = []
             for _ in range(2):  # without norm, the second call takes the decode loop's way

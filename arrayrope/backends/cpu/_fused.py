@@ -225,10 +225,10 @@ def _token(
     caches' rows that take the vector steps from their input are written with streaming stores
     (see _fused_launch.large_step_bits). A normalized row takes the vector steps from
     ``scratch`` (d elements of the compute dtype), where :func:`_normalized` puts it, with
-    plain stores: streaming ones made a large normalized step slower, not faster, and its
-    tail is stored element by element. ``numbers``: eps and the caches' multipliers. (Thirty
-    arguments at most: CPython passes a longer call's as a tuple, which Numba does not
-    inline.)"""
+    plain stores, and so are the v rows of a step that normalizes k: streaming those rows
+    made a large normalized step slower, not faster. ``numbers``: eps and the caches'
+    multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
+    Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
@@ -318,9 +318,8 @@ def _scratch(q_weight, k_weight, d):
 # callee that was loaded from the cache calls it at an address that a later process, loading
 # the caller alone, leaves 0 (Numba 0.68; a plain callee links). fused_range is compiled in
 # too, so that the launcher's build never depends on what the cache held when it compiled.
-# fused_parallel calls fused_range for each range rather than inlining _token a second time:
-# Numba types and lowers the step's body once, and LLVM optimizes it once (a third of the
-# build's time).
+# fused_parallel calls fused_range for each range, so that the step's body (_token, inlined)
+# is typed, lowered and optimized once in the build, not twice.
 @njit(nogil=True)
 def fused_range(
     q, qo, k, v, kc, vc, qs, qos, ks, vs, kcs, vcs, slots, rows, cos, sin, block, hq, hkv,

@@ -251,16 +251,17 @@ def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
 
 
 def large_step_bits(q, k, v):
-    """PREFETCH | STREAM_Q | STREAM_KV where the step's inputs are too large for the cache (q,
-    k and v together at least CONFIG.stream_above bytes, the size past which rotate's results
-    stream), else 0. With them the step asks for each token's rows of q, k and v two tokens
-    before it rotates them (see _fused._token): the CPU's own prefetching leaves the step
-    waiting on memory there; and its results and cache rows that take the vector steps are
-    written with streaming stores, as rotate's are: a plain store would first read each line
-    it writes. In cache the requests only cost instructions, and plain stores leave the rows
-    in cache for attention."""
-    large = q.nbytes + k.nbytes + v.nbytes >= _config.CONFIG.stream_above
-    return PREFETCH | STREAM_Q | STREAM_KV if large else 0
+    """The bits of a step whose inputs are too large for the cache (q, k and v together at
+    least CONFIG.stream_above bytes, the size past which rotate's results stream), else 0:
+    PREFETCH, the step asks for each token's rows of q, k and v two tokens before it rotates
+    them (see _fused._token), where the CPU's own prefetching leaves it waiting on memory;
+    and on x86-64 (where rotate streams) STREAM_Q and STREAM_KV, its results and cache rows
+    that take the vector steps are written with streaming stores, as rotate's are: a plain
+    store would first read each line it writes. In cache the requests only cost
+    instructions, and plain stores leave the rows in cache for attention."""
+    if q.nbytes + k.nbytes + v.nbytes < _config.CONFIG.stream_above:
+        return 0
+    return PREFETCH | (STREAM_Q | STREAM_KV if _config.STREAMING else 0)
 
 
 def _vector(spec, x, targets, cos, sin, other=None):
@@ -323,11 +324,13 @@ def writable(a):
 
 def run(args, n, threaded):
     """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
-    launch them, in two ranges of tokens per thread (Numba's threads at most: a count that
-    numba.set_num_threads lowers still shares them). Each range is a call of
-    _fused.fused_range, whose own cost (its arrays' reference counts, its scratch row) a
-    decode step split into many ranges would pay many times; asking Numba for the current
-    count costs a decode step more than that."""
+    launch them, in two ranges of tokens for each of Numba's threads. Numba hands each thread
+    one run of consecutive ranges, so more ranges would not balance the threads; each range
+    is a call of _fused.fused_range, whose own cost (its arrays' reference counts, its scratch
+    row) a decode step split into a range per token would pay for every token. The count is
+    Numba's configured one, not the current one (numba.get_num_threads, which costs a decode
+    step more than its ranges): fewer threads set by numba.set_num_threads share the ranges.
+    """
     if threaded and _config.threads_usable():
         return _config.run_parallel(_step, *args, min(n, 2 * numba.config.NUMBA_NUM_THREADS))
     return _step(*args, 0)
