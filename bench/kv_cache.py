@@ -11,7 +11,9 @@ q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches a
   ``k_cache.reshape(-1, 8, 128)[slots] = k_out`` and the same for v;
 - fused: ``rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q_out)``;
 - copy: the fastest of np.copyto and a threaded Numba copy of the projection into a buffer of
-  its size: the bytes the fused step reads and writes once each.
+  its size: the bytes the fused step reads and writes once each; and, on x86-64, the threaded
+  copy with streaming stores (bench/bench.py's), a second, stricter ceiling where the fused
+  step streams (a prefill too large for the cache).
 
 Prefill: 2048 tokens at positions 100..2147 into consecutive slots; decode: 32 tokens at mixed
 positions below 30,000, into slots scattered over a 4096-slot cache, and the same 10**6 further
@@ -60,6 +62,7 @@ def _case(n, dtype, decode, first=0, norm=False):
     from numba import njit, prange
 
     import arrayrope as ar
+    from bench import streaming_copier
 
     @njit(parallel=True, cache=True)
     def threaded_copy(src, dst):
@@ -98,12 +101,16 @@ def _case(n, dtype, decode, first=0, norm=False):
     def threaded():
         threaded_copy(s8, d8)
 
-    return {"unfused": unfused, "fused": fused, "copy": copy, "threaded copy": threaded}
+    calls = {"unfused": unfused, "fused": fused, "copy": copy, "threaded copy": threaded}
+    streaming_copy = streaming_copier()
+    if streaming_copy is not None:
+        calls["streaming copy"] = lambda: streaming_copy(s8, d8)
+    return calls
 
 
 def rows(rounds):
-    """[(step, dtype, fused us, unfused us, copy us)] for prefill and decode (with QK-norm
-    too), float32 and bfloat16."""
+    """[(step, dtype, fused us, unfused us, copy us, streaming copy us or None)] for prefill
+    and decode (with QK-norm too), float32 and bfloat16."""
     import ml_dtypes
 
     from bench import best_per_call
@@ -121,6 +128,7 @@ def rows(rounds):
             case = _case(n, dtype, decode, first, norm)
             best = best_per_call(case, rounds, calls)
             ceiling = min(best["copy"], best["threaded copy"])
+            streamed = best.get("streaming copy")
             found.append(
                 (
                     step,
@@ -128,6 +136,7 @@ def rows(rounds):
                     best["fused"] * 1e6,
                     best["unfused"] * 1e6,
                     ceiling * 1e6,
+                    None if streamed is None else streamed * 1e6,
                 )
             )
     return found
@@ -136,12 +145,13 @@ def rows(rounds):
 def report(found):
     lines = [
         f"  {'step':19s} {'dtype':9s} {'fused us':>10s} {'unfused us':>11s} {'speedup':>8s} "
-        f"{'copy us':>9s} {'of copy':>8s}"
+        f"{'copy us':>9s} {'of copy':>8s} {'of streaming copy':>18s}"
     ]
-    for step, dtype, fused, unfused, copy in found:
+    for step, dtype, fused, unfused, copy, streamed in found:
+        of_streamed = "-" if streamed is None else f"{streamed / fused:.2f}"
         lines.append(
             f"  {step:19s} {dtype:9s} {fused:10.1f} {unfused:11.1f} {unfused / fused:7.2f}x "
-            f"{copy:9.1f} {copy / fused:8.2f}"
+            f"{copy:9.1f} {copy / fused:8.2f} {of_streamed:>18s}"
         )
     return "\n".join(lines)
 
