@@ -324,13 +324,12 @@ def writable(a):
 
 def run(args, n, threaded):
     """fused_step(*args, tasks): on Numba's threads where ``threaded`` and this process may
-    launch them, in two ranges of tokens for each of Numba's threads. Numba hands each thread
-    one run of consecutive ranges, so more ranges would not balance the threads; each range
-    is a call of _fused.fused_range, whose own cost (its arrays' reference counts, its scratch
-    row) a decode step split into a range per token would pay for every token. The count is
-    Numba's configured one, not the current one (numba.get_num_threads, which costs a decode
-    step more than its ranges): fewer threads set by numba.set_num_threads share the ranges.
-    """
+    launch them, in two ranges of tokens for each of the threads Numba was configured with
+    (numba.get_num_threads would ask its threading layer at every call; fewer threads set by
+    numba.set_num_threads share the ranges). Numba hands each thread a run of consecutive
+    ranges, so more ranges would not balance the threads, and each range is a call of
+    _fused.fused_range, whose own cost (its arrays' reference counts, its scratch row) a
+    range per token would pay for every token."""
     if threaded and _config.threads_usable():
         return _config.run_parallel(_step, *args, min(n, 2 * numba.config.NUMBA_NUM_THREADS))
     return _step(*args, 0)
