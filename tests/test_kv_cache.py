@@ -134,7 +134,7 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     assert _fused_launch.vector_steps(steps, 0, 4, 32, 48) == steps & 2
     assert _fused_launch.vector_steps(steps, 0, 64, 32, 40) == steps & 1
     # a large step's bits (see large_step_bits): the prefetch whatever the targets' alignment,
-    # each streaming bit with its vector steps, q's not where out is q (in place)
+    # each streaming bit with its vector steps; where out is q (in place), Q_IN_PLACE for q's
     prefetch, stream_q, stream_kv = (
         _fused_launch.PREFETCH,
         _fused_launch.STREAM_Q,
@@ -144,7 +144,9 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
     assert _fused_launch.vector_steps(large, 0, 4, 32, 40) == prefetch
     expected = large if steps else prefetch
     assert _fused_launch.vector_steps(large, 0, 64, 32, 48) == expected
-    assert _fused_launch.vector_steps(large, 64, 64, 32, 48) == expected & ~stream_q
+    in_place = expected & ~stream_q | (_fused_launch.Q_IN_PLACE if steps else 0)
+    assert _fused_launch.vector_steps(large, 64, 64, 32, 48) == in_place
+    assert _fused_launch.vector_steps(steps, 64, 64, 32, 48) == steps | (in_place & 32)
     q_only, kv_only = (1 | prefetch | stream_q, 2 | prefetch | stream_kv) if steps else (4, 4)
     assert _fused_launch.vector_steps(large, 0, 64, 32, 40) == q_only
     assert _fused_launch.vector_steps(large, 0, 4, 32, 48) == kv_only

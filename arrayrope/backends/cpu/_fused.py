@@ -24,8 +24,10 @@ from ._simd import copy_bytes, prefetch_row, scale_row, store_fence, sum_of_squa
 # large for the cache (see _fused_launch.large_step_bits) prefetches its rows, and q's rows
 # (STREAM_Q) and the caches' (STREAM_KV) that take the vector steps are written with streaming
 # stores, which skip reading each line before it is written. Smaller steps store plainly: a
-# cache row is read again soon (by attention), and a result row is as likely to be.
-PREFETCH, STREAM_Q, STREAM_KV = 4, 8, 16
+# cache row is read again soon (by attention), and a result row is as likely to be. Q_IN_PLACE:
+# the result is q itself, whose rows' tails past the rotary part the vector steps leave as
+# they are.
+PREFETCH, STREAM_Q, STREAM_KV, Q_IN_PLACE = 4, 8, 16, 32
 
 # The vector steps of the direct path (see _direct), with plain and with streaming stores.
 _WIDTHS = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
@@ -223,7 +225,8 @@ def _token(
     and k's and v's rows two tokens on are asked for unless that token is padding (the caller
     sets the bit only where token t + 2 is in its range); STREAM_Q and STREAM_KV, q's and the
     caches' rows that take the vector steps from their input are written with streaming stores
-    (see _fused_launch.large_step_bits). A normalized row takes the vector steps from
+    (see _fused_launch.large_step_bits); Q_IN_PLACE, q's rows are their own results, whose
+    tails the vector steps do not copy. A normalized row takes the vector steps from
     ``scratch`` (d elements of the compute dtype), where :func:`_normalized` puts it, with
     plain stores, and so are the v rows of a step that normalizes k: streaming those rows
     made a large normalized step slower, not faster. ``numbers``: eps and the caches'
@@ -260,7 +263,7 @@ def _token(
                 _HALF_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
             else:
                 _PAIR_ROW(q, xb, qo, ob, n, cos, sin, tb, inverse)
-            if d > rotary_dim:
+            if d > rotary_dim and not vector & Q_IN_PLACE:
                 _copy_rows(q, xb, qo, ob, rotary_dim, d, stream_q)
         else:
             _row(q[xb:], qo[ob:], d, rotary_dim, cos, sin, row, half_style, inverse, q_weight,

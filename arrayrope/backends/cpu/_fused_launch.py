@@ -14,7 +14,7 @@ from numba import njit
 from . import _config
 from ._config import DISK_CACHE, HARDWARE_F16
 from ._decode import memory_span
-from ._fused import PREFETCH, STREAM_KV, STREAM_Q, fused_parallel, fused_range
+from ._fused import PREFETCH, Q_IN_PLACE, STREAM_KV, STREAM_Q, fused_parallel, fused_range
 from ._simd import span
 from ._step_checks import bounds, check_slots
 
@@ -98,12 +98,12 @@ SLOTS, PAST_THE_TABLE, OVERLAP = 1, 2, 3
 @njit
 def vector_steps(allowed, q_at, out_at, k_cache_at, v_cache_at):
     """The vector steps a launch takes: those the layouts allow (see :func:`layout_vector`)
-    whose targets' addresses are 16-byte aligned, each with its streaming bit as given (q's
-    not where out is q: rotated in place, its lines are read anyway); the PREFETCH bit as
-    given (see :func:`large_step_bits`)."""
+    whose targets' addresses are 16-byte aligned, each with its streaming bit as given; where
+    out is q (in place), q's with Q_IN_PLACE for its streaming bit (its lines are read
+    anyway); the PREFETCH bit as given (see :func:`large_step_bits`)."""
     steps = allowed & PREFETCH
     if allowed & 1 and out_at % 16 == 0:
-        steps |= 1 | (allowed & STREAM_Q if out_at != q_at else 0)
+        steps |= 1 | (allowed & STREAM_Q if out_at != q_at else Q_IN_PLACE)
     if allowed & 2 and k_cache_at % 16 == 0 and v_cache_at % 16 == 0:
         steps |= 2 | (allowed & STREAM_KV)
     return steps
