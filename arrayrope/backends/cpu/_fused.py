@@ -136,16 +136,15 @@ def _inverse_rms(x, d, weight, eps):
     return one / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
 
 
-@njit(nogil=True)
-def _normalized(x, xb, d, weight, eps, scratch):
-    """scratch[:d] = the row of x at flat offset ``xb``, RMS-normalized and weighted in vector
-    steps, with :func:`_inverse_rms`'s and :func:`_scaled`'s arithmetic in their order (the
-    same bits): the vector steps then rotate it from there."""
-    zero = _zero(scratch)
-    n = np.uint64(d)
-    total = sum_of_squares(x, xb, n)
-    factor = (zero + np.float32(1.0)) / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
-    scale_row(x, xb, n, factor, weight, scratch)
+@njit(inline="always")
+def _factor(total, d, eps, zero):
+    """1 / sqrt(total / d + eps): a row's inverse RMS from its sum of squares ``total``, in the
+    compute dtype (of ``zero``), with :func:`_inverse_rms`'s arithmetic in its order (the same
+    bits). A normalized row of the vector steps is made at its call site in _token from this
+    and the intrinsics sum_of_squares and scale_row: a function taking the row's arrays would
+    count their references at each row, with locked instructions, which also wait for the
+    streaming stores before them to reach memory."""
+    return (zero + np.float32(1.0)) / np.sqrt(total / (zero + np.float32(d)) + (zero + eps))
 
 
 @njit(inline="always")
@@ -227,17 +226,18 @@ def _token(
     caches' rows that take the vector steps from their input are written with streaming stores
     (see _fused_launch.large_step_bits); Q_IN_PLACE, q's rows are their own results, whose
     tails the vector steps do not copy. A normalized row takes the vector steps from
-    ``scratch`` (d elements of the compute dtype), where :func:`_normalized` puts it, with
-    plain stores, and so are the v rows of a step that normalizes k: streaming those rows
-    made a large normalized step slower, not faster. ``numbers``: eps and the caches'
-    multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple, which
-    Numba does not inline.)"""
+    ``scratch`` (d elements of the compute dtype), where sum_of_squares and scale_row put it
+    (see :func:`_factor`), with plain stores, and so are the v rows of a step that normalizes
+    k: streaming those rows made a large normalized bfloat16 step slower. ``numbers``: eps
+    and the caches' multipliers. (Thirty arguments at most: CPython passes a longer call's as
+    a tuple, which Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)
     n = np.uint64(rotary_dim)
     zero = np.uint64(0)
     stream_q, stream_kv = vector & STREAM_Q != 0, vector & STREAM_KV != 0
+    zero_c = _zero(scratch)  # of the compute dtype
     # The vector rows call the ladders and _copy_rows (compiled on their own, inlined by LLVM)
     # directly: a helper inlined in Numba's IR rebinds its array arguments at each head, with a
     # pair of reference-count calls (atomic) per array.
@@ -247,7 +247,8 @@ def _token(
         if vector & PREFETCH:
             prefetch_row(q, xb + np.uint64(2 * qs[1]), np.uint64(d))
         if vector & 1 and q_weight.shape[0]:
-            _normalized(q, xb, d, q_weight, eps, scratch)
+            total = sum_of_squares(q, xb, np.uint64(d))
+            scale_row(q, xb, np.uint64(d), _factor(total, d, eps, zero_c), q_weight, scratch)
             if half_style:
                 _HALF_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
             else:
@@ -282,7 +283,8 @@ def _token(
         vb = np.uint64(vs[0] + t * vs[1] + head * vs[2])
         vcb = np.uint64(vcs[0] + page * vcs[1] + offset * vcs[2] + head * vcs[3])
         if vector & 2 and k_weight.shape[0]:
-            _normalized(k, kb, d, k_weight, eps, scratch)
+            total = sum_of_squares(k, kb, np.uint64(d))
+            scale_row(k, kb, np.uint64(d), _factor(total, d, eps, zero_c), k_weight, scratch)
             if half_style:
                 _HALF_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
             else:
