@@ -71,6 +71,17 @@ def cases(ar, rng_seed=0):
                 lambda r=rope, y=mid_y: r.rotate(y, out=y),
                 2 * mid.nbytes,
             )
+    # partial rotary whose pair blocks are off the 16-byte grid (rows on it), 64 MiB
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        for d, rotary in ((128, 50), (96, 38)):
+            rows = (64 << 20) // (32 * d * np.dtype(dtype).itemsize)
+            x = rng.standard_normal((1, 32, rows, d)).astype(dtype)
+            out = np.empty_like(x)
+            rope = ar.RoPE(d, style="half", rotary_dim=rotary)
+            found[f"partial {d}/{rotary} out= {np.dtype(dtype).name}"] = (
+                lambda r=rope, x=x, out=out: r.rotate(x, out=out),
+                2 * x.nbytes,
+            )
     x = rng.standard_normal(shape).astype(np.float32)
     out = np.empty_like(x)
     pos = rng.integers(0, 64, (4, 1, 2048, 3))

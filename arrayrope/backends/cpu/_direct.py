@@ -78,8 +78,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # grows past what LLVM inlines into the row loop, and a call per row costs more than
         # the pairs it saves.
         widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
-    if chunked:  # every dtype: chunks of VECTOR_BYTES, then 16 (see chunk_walk)
-        walks = tuple(chunk_walk(half, (VECTOR_BYTES, 16), nontemporal) for half in (True, False))
+    if chunked:  # every dtype: chunks of VECTOR_BYTES, then 32 and 16 (see chunk_walk)
+        walks = tuple(chunk_walk(half, widths, nontemporal) for half in (True, False))
         ladders = {True: walks, False: walks}
     else:
         ladders = {

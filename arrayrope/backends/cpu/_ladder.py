@@ -83,20 +83,23 @@ def chunk_walk(half, widths, nontemporal):
     """A function with a ladder's arguments for Numba that writes the row of o at ``orow``
     (16-byte aligned) in chunks on the 16-byte grid whatever the grid of its pair blocks, up to
     the first boundary at or past the rotary part's end (elements past it copied from x). Each
-    chunk takes the step for what it holds (see _simd.chunk_step): steps of ``widths[0]``
-    bytes where all of its elements have their partners on one side (plain loads), else of 16
-    bytes (``widths[1]``); the 16 bytes across the pair blocks' edge h and across the rotary
-    part's end take masked loads and compute both sides. In the half layout that is the walk
-    0..h, then h..n, then the end."""
-    wide, narrow = widths
-    if narrow != 16:
+    chunk takes the step for what it holds (see _simd.chunk_step). Where all of its elements
+    have their partners on one side (plain loads), steps of ``widths[0]`` bytes, then one of 32
+    where ``widths`` has it, then of 16; the 16 bytes across the pair blocks' edge h and the 16
+    across the rotary part's end take masked loads. In the half layout that is the walk 0..h,
+    then h..n, then the end."""
+    wide, *mid, narrow = widths
+    if narrow != 16 or mid not in ([], [32]):
         raise ValueError(f"a chunk walk ends in 16-byte steps, got widths {widths}")
+    has_middle = bool(mid)
     if half:
         first_w, second_w = (chunk_step(True, k, wide, nontemporal) for k in ("first", "second"))
+        first_32, second_32 = (chunk_step(True, k, 32, nontemporal) for k in ("first", "second"))
         first_16, second_16 = (chunk_step(True, k, 16, nontemporal) for k in ("first", "second"))
     else:  # one pair step for every chunk inside the rotary part
         first_w, first_16 = row_step(False, wide, nontemporal), row_step(False, 16, nontemporal)
-        second_w, second_16 = first_w, first_16
+        first_32 = row_step(False, 32, nontemporal)
+        second_w, second_32, second_16 = first_w, first_32, first_16
     mixed_16 = chunk_step(half, "mixed", 16, nontemporal)
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
@@ -111,30 +114,41 @@ def chunk_walk(half, widths, nontemporal):
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
         w, per = kind(wide // item), kind(narrow // item)
-        one, two = kind(1), kind(2)
+        m = kind(32 // item)
+        two = kind(2)
 
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
             h = n // two
             edge = h if half else n - n  # interleaved: no edge inside the rotary part
-            up = (n + per - one) // per * per
+            # Where the chunks wholly on one side end, and so where the mixed chunks start,
+            # in closed form from n: the masks of a mixed chunk then depend on n alone, and
+            # LLVM computes them once per call rather than once per row.
+            first_end = edge // per * per
+            end = n // per * per
             k = n - n
-            while k + w <= edge:
+            while k + w <= first_end:
                 first_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += w
-            while k + per <= edge:
+            if has_middle and k + m <= first_end:
+                first_32(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += m
+            while k < first_end:
                 first_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
-            if k < edge:
-                mixed_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
-                k += per
-            while k + w <= n:
+            if first_end < edge:  # the chunk across the edge h
+                mixed_16(x, xr, o, orow, h, cos, sin, t, first_end, inverse)
+                k = first_end + per
+            while k + w <= end:
                 second_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += w
-            while k + per <= n:
+            if has_middle and k + m <= end:
+                second_32(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += m
+            while k < end:
                 second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
-            if k < up:
-                mixed_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+            if end < n and k <= end:  # the chunk across the end n, unless that was the edge's
+                mixed_16(x, xr, o, orow, h, cos, sin, t, end, inverse)
 
         return variant(impl, "chunks", "half" if half else "pairs", widths, nontemporal)
 

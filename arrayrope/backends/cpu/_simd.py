@@ -184,9 +184,10 @@ def _load_lanes(context, builder, array_type, array, index, lanes, mask=None):
     )
 
 
-def _load_bits(context, builder, array_type, array, index, lanes, mask=None):
+def _load_bits(context, builder, array_type, array, index, lanes, mask=None, kept=None):
     """The stored elements :func:`_load_lanes` converts: a vector of float32 or float64, or of
-    i16 for the 2-byte types."""
+    i16 for the 2-byte types. With a ``mask``, the lanes it leaves out are ``kept``'s (a
+    vector of the same type), or zero."""
     data = context.make_array(array_type)(context, builder, array).data
     dtype = array_type.dtype
     if dtype in (types.float32, types.float64):
@@ -198,12 +199,12 @@ def _load_bits(context, builder, array_type, array, index, lanes, mask=None):
     align = dtype.bitwidth // 8
     if mask is None:
         return builder.load(address, align=align)
-    return _masked_load(builder, address, vector, align, mask)
+    return _masked_load(builder, address, vector, align, mask, kept)
 
 
-def _masked_load(builder, address, vector, align, mask):
-    """llvm.masked.load of ``vector`` at ``address``: the lanes ``mask`` leaves out are neither
-    read (the CPU faults on none of their addresses) nor kept (zero)."""
+def _masked_load(builder, address, vector, align, mask, kept=None):
+    """llvm.masked.load of ``vector`` at ``address``: the lanes ``mask`` leaves out are not
+    read (the CPU faults on none of their addresses); they are ``kept``'s, or zero."""
     element = {ir.FloatType: "f32", ir.DoubleType: "f64"}.get(type(vector.element), "i16")
     pointer = "p0" if ll.llvm_version_info >= (17,) else f"p0v{vector.count}{element}"
     name = f"llvm.masked.load.v{vector.count}{element}.{pointer}"
@@ -211,8 +212,8 @@ def _masked_load(builder, address, vector, align, mask):
     if function is None:
         kind = ir.FunctionType(vector, [address.type, ir.IntType(32), mask.type, vector])
         function = ir.Function(builder.module, kind, name)
-    zero = ir.Constant(vector, None)
-    return builder.call(function, [address, ir.IntType(32)(align), mask, zero])
+    kept = ir.Constant(vector, None) if kept is None else kept
+    return builder.call(function, [address, ir.IntType(32)(align), mask, kept])
 
 
 def _widen(builder, dtype, bits):
@@ -431,35 +432,45 @@ def chunk_step(half, kind, nbytes, nontemporal):
             xa = builder.add(xr_, k_)
             bits = _load_bits(context, builder, tys[0], x_, xa, lanes)
             xk = _widen(builder, tys[0].dtype, bits)
-            index = _from(builder, k_, lanes)
-            rotary = builder.icmp_unsigned(
-                "<", index, _broadcast(builder, builder.shl(h_, h_.type(1)), lanes)
-            )
-            if half:
-                first = builder.icmp_unsigned("<", index, _broadcast(builder, h_, lanes))
+            rotary = _below(builder, k_, builder.shl(h_, h_.type(1)), lanes)
+            if half and kind == "mixed":
+                # Both sides' formulas in one: x[j] c[i] + x[j'] (-s[i]) with i = j, j' = j + h
+                # in the first half; x[j] c[i] + x[j'] s[i] with i = j' = j - h in the second.
+                # Each operand is one masked load merged into another, and each element is
+                # computed once (a - b and a + (-b) round alike).
+                first = _below(builder, k_, h_, lanes)
                 second = builder.and_(builder.not_(first), rotary)
-                mixed = kind == "mixed"
-                if kind != "second":  # x[j] c[j] - x[j + h] s[j]
-                    at = builder.add(t_, k_)
-                    mask = first if mixed else None
-                    partner = load(0, x_, builder.add(xa, h_), lanes, mask)
-                    c = load(5, cos_, at, lanes, mask)
-                    s = _signed_sin(builder, load(6, sin_, at, lanes, mask), inverse_)
-                    result = builder.fsub(builder.fmul(xk, c), builder.fmul(partner, s))
-                if kind != "first":  # x[j] c[j - h] + x[j - h] s[j - h]
-                    at = builder.sub(builder.add(t_, k_), h_)
-                    mask = second if mixed else None
-                    partner = load(0, x_, builder.sub(xa, h_), lanes, mask)
-                    c = load(5, cos_, at, lanes, mask)
-                    s = _signed_sin(builder, load(6, sin_, at, lanes, mask), inverse_)
-                    later = builder.fadd(builder.fmul(xk, c), builder.fmul(partner, s))
-                    result = builder.select(first, result, later) if mixed else later
+                up, down = builder.add(t_, k_), builder.sub(builder.add(t_, k_), h_)
+
+                def merged(which, array, a, b):
+                    one = _load_bits(context, builder, tys[which], array, a, lanes, first)
+                    return _widen(
+                        builder,
+                        tys[which].dtype,
+                        _load_bits(context, builder, tys[which], array, b, lanes, second, one),
+                    )
+
+                partner = merged(0, x_, builder.add(xa, h_), builder.sub(xa, h_))
+                c = merged(5, cos_, up, down)
+                s = _signed_sin(builder, merged(6, sin_, up, down), inverse_)
+                s = builder.select(first, builder.fneg(s), s)
+                result = builder.fadd(builder.fmul(xk, c), builder.fmul(partner, s))
+            elif kind == "first":  # x[j] c[j] - x[j + h] s[j]
+                at = builder.add(t_, k_)
+                partner = load(0, x_, builder.add(xa, h_), lanes)
+                c = load(5, cos_, at, lanes)
+                s = _signed_sin(builder, load(6, sin_, at, lanes), inverse_)
+                result = builder.fsub(builder.fmul(xk, c), builder.fmul(partner, s))
+            elif kind == "second":  # x[j] c[j - h] + x[j - h] s[j - h]
+                at = builder.sub(builder.add(t_, k_), h_)
+                partner = load(0, x_, builder.sub(xa, h_), lanes)
+                c = load(5, cos_, at, lanes)
+                s = _signed_sin(builder, load(6, sin_, at, lanes), inverse_)
+                result = builder.fadd(builder.fmul(xk, c), builder.fmul(partner, s))
             else:
                 pairs = lanes // 2
                 half_k = builder.lshr(k_, k_.type(1))
-                mask = builder.icmp_unsigned(
-                    "<", _from(builder, half_k, pairs), _broadcast(builder, h_, pairs)
-                )
+                mask = _below(builder, half_k, h_, pairs)
                 at = builder.add(t_, half_k)
                 c = load(5, cos_, at, pairs, mask)
                 s = _signed_sin(builder, load(6, sin_, at, pairs, mask), inverse_)
@@ -482,6 +493,25 @@ def _broadcast(builder, value, lanes):
     one = builder.insert_element(ir.Constant(vector, None), value, ir.IntType(32)(0))
     return builder.shuffle_vector(
         one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    )
+
+
+def _below(builder, start, limit, lanes):
+    """The lanes i of a vector of ``lanes`` with start + i < limit (unsigned scalars), as a
+    vector of i1: the count of such lanes clamped to 0..lanes as a scalar, then one compare of
+    16-bit lane numbers (a compare of the 64-bit indices takes a vector instruction per eight
+    lanes)."""
+    zero = start.type(0)
+    count = builder.select(
+        builder.icmp_unsigned("<", start, limit), builder.sub(limit, start), zero
+    )
+    count = builder.select(
+        builder.icmp_unsigned("<", count, start.type(lanes)), count, start.type(lanes)
+    )
+    i16 = ir.IntType(16)
+    numbers = ir.Constant(ir.VectorType(i16, lanes), list(range(lanes)))
+    return builder.icmp_unsigned(
+        "<", numbers, _broadcast(builder, builder.trunc(count, i16), lanes)
     )
 
 
