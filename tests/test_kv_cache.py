@@ -155,19 +155,28 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "case",
-    ["forward", "partial, interleaved", "partial, in place", "reversed", "threads, QK-norm"],
+    [
+        "forward",
+        "partial, interleaved",
+        "partial, in place",
+        "partial, QK-norm",
+        "reversed",
+        "threads, QK-norm",
+    ],
 )
 def test_steps_too_large_for_the_cache_prefetch_and_stream_with_the_same_bits(dtype, case, rng):
     # A large step's bits (prefetch and, on x86-64, streaming stores) are set for inputs of
     # CONFIG.stream_above bytes; at 0 every step sets them. Partial: d = 72, whose rows' tails
     # and v's rows stream in 64- and 16-byte copies (q's not where it is rotated in place).
     # Reversed: tokens at a negative stride (the rows asked for lie below each token's) into an
-    # HND cache. Threads: ranges of one or two tokens on Numba's threads, each with its own
-    # scratch row for QK-norm (normalized rows store plainly). Token 4 is padding: token 2
-    # asks for no k and v rows.
+    # HND cache. QK-norm: normalized rows, made in a scratch row, stream from it where they
+    # keep its dtype (float32, float64), tails included, and so do v's rows beside them; on
+    # Numba's threads, ranges of one or two tokens, each with its own scratch row. Token 4 is
+    # padding: token 2 asks for no k and v rows.
     from arrayrope.backends.cpu import _config, _fused_launch
 
     reverse, in_place, threads = case == "reversed", "in place" in case, case.startswith("thr")
+    normed = case.endswith("QK-norm")
     layout = "HND" if reverse else "NHD"
     d = 72 if case.startswith("partial") else 64
     style = "interleaved" if "interleaved" in case else "half"
@@ -177,8 +186,8 @@ def test_steps_too_large_for_the_cache_prefetch_and_stream_with_the_same_bits(dt
         q, k, v = q[::-1], k[::-1], v[::-1]
     pos, slots = rng.integers(0, 5000, 6), rng.permutation(48)[:6]
     slots[4] = -1
-    weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
-    options = {"q_norm": weight, "k_norm": weight} if threads else {}
+    weight = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    options = {"q_norm": weight, "k_norm": weight} if normed else {}
     streams = _fused_launch.STREAM_Q | _fused_launch.STREAM_KV if _config.STREAMING else 0
     found = []
     # the step of one thread that stores plainly, then the large step (on Numba's threads)

@@ -227,8 +227,10 @@ def _token(
     (see _fused_launch.large_step_bits); Q_IN_PLACE, q's rows are their own results, whose
     tails the vector steps do not copy. A normalized row takes the vector steps from
     ``scratch`` (d elements of the compute dtype), where sum_of_squares and scale_row put it
-    (see :func:`_factor`), with plain stores, and so are the v rows of a step that normalizes
-    k: streaming those rows made a large normalized bfloat16 step slower. ``numbers``: eps
+    (see :func:`_factor`). It streams where its target keeps the scratch row's dtype (float32,
+    float64), and so do the v rows of a step that normalizes k; rows narrowed to a 2-byte type
+    store plainly, and so do their v rows: streaming them made a large normalized bfloat16 step
+    slower. ``numbers``: eps
     and the caches' multipliers. (Thirty arguments at most: CPython passes a longer call's as
     a tuple, which Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
@@ -249,12 +251,20 @@ def _token(
         if vector & 1 and q_weight.shape[0]:
             total = sum_of_squares(q, xb, np.uint64(d))
             scale_row(q, xb, np.uint64(d), _factor(total, d, eps, zero_c), q_weight, scratch)
-            if half_style:
-                _HALF_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+            if stream_q and qo.itemsize == scratch.itemsize:
+                if half_style:
+                    _HALF_ROW_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                else:
+                    _PAIR_ROW_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                if d > rotary_dim:
+                    _copy_rows(scratch, zero, qo, ob, rotary_dim, d, True)
             else:
-                _PAIR_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
-            for j in range(rotary_dim, d):
-                store(qo, ob + np.uint64(j), scratch[j])
+                if half_style:
+                    _HALF_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                else:
+                    _PAIR_ROW(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                for j in range(rotary_dim, d):
+                    store(qo, ob + np.uint64(j), scratch[j])
         elif vector & 1:
             if stream_q and half_style:
                 _HALF_ROW_STREAMING(q, xb, qo, ob, n, cos, sin, tb, inverse)
@@ -285,13 +295,22 @@ def _token(
         if vector & 2 and k_weight.shape[0]:
             total = sum_of_squares(k, kb, np.uint64(d))
             scale_row(k, kb, np.uint64(d), _factor(total, d, eps, zero_c), k_weight, scratch)
-            if half_style:
-                _HALF_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+            if stream_kv and kc.itemsize == scratch.itemsize:
+                if half_style:
+                    _HALF_ROW_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                else:
+                    _PAIR_ROW_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                if d > rotary_dim:
+                    _copy_rows(scratch, zero, kc, cb, rotary_dim, d, True)
+                _copy_rows(v, vb, vc, vcb, 0, d, True)
             else:
-                _PAIR_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
-            for j in range(rotary_dim, d):
-                store(kc, cb + np.uint64(j), scratch[j])
-            _copy_rows(v, vb, vc, vcb, 0, d, False)
+                if half_style:
+                    _HALF_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                else:
+                    _PAIR_ROW(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                for j in range(rotary_dim, d):
+                    store(kc, cb + np.uint64(j), scratch[j])
+                _copy_rows(v, vb, vc, vcb, 0, d, False)
         elif vector & 2:
             if stream_kv and half_style:
                 _HALF_ROW_STREAMING(k, kb, kc, cb, n, cos, sin, tb, inverse)
