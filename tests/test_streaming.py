@@ -510,17 +510,20 @@ def test_streaming_steps_store_with_streaming_stores_only():
 
     from numba import njit
 
-    from arrayrope.backends.cpu._simd import chunk_step, row_step
+    from arrayrope.backends.cpu._simd import chunk_step, copy_bytes, row_step
 
     steps = [row_step(half, w, True) for half in (True, False) for w in (16, 32, 64)]
-    steps += [chunk_step(True, kind, w, True) for kind in ("first", "second") for w in (16, 64)]
+    steps += [chunk_step(True, kind, w, True) for kind in ("first", "second") for w in (16, 32, 64)]
     steps += [chunk_step(half, "mixed", 16, True) for half in (True, False)]
+    copies = [copy_bytes(True, w) for w in (16, 32, 64)]  # tails, v's rows
     # one function calling every step (row 64, element 48 of it, h = 40: every read inside)
     calls = "".join(
         f"    s{i}(x, at, o, at, h, cos, sin, zero, k, False)\n" for i in range(len(steps))
     )
+    calls += "".join(f"    c{i}(x, at, o, at)\n" for i in range(len(copies)))
     source = "def every_step(x, o, cos, sin):\n    at, h, k, zero = u(64), u(40), u(48), u(0)\n"
     names = {f"s{i}": step for i, step in enumerate(steps)}
+    names |= {f"c{i}": copy for i, copy in enumerate(copies)}
     exec(source + calls, namespace := {"u": np.uint64, **names})
     every_step = njit(cache=False)(namespace["every_step"])
 
