@@ -250,8 +250,9 @@ def _into_cache(rope, spec, rng, dtype, side):
     projection in ``layout``; both caches guarded, their first and last slots written, so a
     cache row sits flush against the guard; rotate_qk and a NumPy scatter of copies on plain
     allocations judge every bit of the second of two calls (the cache's rows written twice
-    over with the same values). With QK-norm (one seed in two), the same call on plain
-    copies judges them (the vector steps and the row loop normalize with the same bits)."""
+    over with the same values). With QK-norm (one seed in two), q's result goes into a guarded
+    ``out`` too, and the same call with plain stores on plain copies judges every bit (the
+    vector steps, streaming or not, and the row loop normalize with the same bits)."""
     n, d, seed = spec["shape"][0], spec["shape"][-1], spec["seed"]
     hq, hkv = 3, 1 + seed % 2  # each from its own bits of the seed
     layout, block = ("NHD", "HND")[seed // 2 % 2], 1 + seed // 4 % 4
@@ -271,15 +272,20 @@ def _into_cache(rope, spec, rng, dtype, side):
     norms = {}
     if seed // 32 % 2:
         weight = rng.uniform(0.5, 1.5, d).astype(np.float32)
-        norms = {"q_norm": weight, "k_norm": weight}
+        norms = {"q_norm": weight, "k_norm": weight,
+                 "out": make_array(rng, q.shape, dtype, spec["out_layout"], side)}  # fmt: skip
     for _ in range(2):  # a layout's second call takes the decode loop's short way (_kv_step)
         got = rope.rotate_into_cache(q, k, v, pos, *caches, slots, cache_layout=layout, **norms)
     assert (fused.view(np.uint8) == copies[0].view(np.uint8)).all(), "the projection was written"
     if norms:
+        from arrayrope.backends.cpu import _config
+
         plain = [a.copy() for a in copies]
         pq, pk, pv = plain[0][:, :hq], plain[0][:, hq : hq + hkv], plain[0][:, hq + hkv :]
-        want = rope.rotate_into_cache(pq, pk, pv, pos, *plain[1:], slots, cache_layout=layout,
-                                      **norms)  # fmt: skip
+        options = {**norms, "out": None, "cache_layout": layout}
+        with _config.override(stream_above=1 << 62):
+            want = rope.rotate_into_cache(pq, pk, pv, pos, *plain[1:], slots, **options)
+        assert got is norms["out"]
         assert (got.view(np.uint8) == want.view(np.uint8)).all(), "q's rotation"
         for cache, expected in zip(caches, plain[1:]):
             assert (cache.view(np.uint8) == expected.view(np.uint8)).all(), "the cache's rows"

@@ -160,6 +160,7 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
         "partial, interleaved",
         "partial, in place",
         "partial, QK-norm",
+        "partial, interleaved, QK-norm",
         "reversed",
         "threads, QK-norm",
     ],

@@ -195,6 +195,32 @@ def test_rows_on_the_grid_write_what_the_general_loop_writes(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
+@pytest.mark.parametrize("mode", ["streaming", "vector"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("d, rotary_dim", [(128, 50), (96, 38), (80, 76), (16, 6), (16, 2)])
+def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, style, d, rotary_dim):
+    # Pair blocks off the grid whose chunk walks take every step (for one dtype or another):
+    # the widest, 32 and 16 bytes on each side of the edge h, the chunk across the edge, the
+    # chunk across the rotary part's end, and one chunk holding both (16/6, 16/2).
+    if dtype == np.float16 and not _config.HARDWARE_F16:
+        pytest.skip("float16 takes the general loop where the CPU does not convert it")
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 3, 21, d)) * 3).astype(dtype)
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    pos = rng.integers(0, 60_000, size=21)
+    buffer, out = _window(x.shape, dtype, 16 // x.itemsize, 0)
+    modes = []
+    for inverse in (False, True):
+        buffer[:] = np.nan
+        _assert_streams_plain_bits("serial", rope, x, pos, inverse, buffer, out, mode, modes)
+        expected = oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse)
+        assert_matches(out, expected, x)
+    block = rotary_dim // 2 if style == "half" else rotary_dim
+    if (block * x.itemsize) % 16:
+        assert modes == [cpu.CHUNKED if mode == "streaming" else cpu.CHUNKED_PLAIN] * 2
+
+
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])

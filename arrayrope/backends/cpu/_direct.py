@@ -69,7 +69,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     """
     if aligned:
         # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows
-        # and pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__).
+        # and pair blocks are whole multiples of 16 bytes here: see direct_path in cpu/__init__;
+        # chunked, the rows only).
         widths = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
         narrow_widths = widths
     else:

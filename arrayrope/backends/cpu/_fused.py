@@ -23,7 +23,8 @@ from ._simd import copy_bytes, prefetch_row, scale_row, store_fence, sum_of_squa
 # The bits of ``vector`` (see _token) past the two that choose the vector steps: a step too
 # large for the cache (see _fused_launch.large_step_bits) prefetches its rows, and q's rows
 # (STREAM_Q) and the caches' (STREAM_KV) that take the vector steps are written with streaming
-# stores, which skip reading each line before it is written. Smaller steps store plainly: a
+# stores (normalized rows where they stay float32 or float64: see _token), which skip reading
+# each line before it is written. Smaller steps store plainly: a
 # cache row is read again soon (by attention), and a result row is as likely to be. Q_IN_PLACE:
 # the result is q itself, whose rows' tails past the rotary part the vector steps leave as
 # they are.
@@ -227,12 +228,12 @@ def _token(
     (see _fused_launch.large_step_bits); Q_IN_PLACE, q's rows are their own results, whose
     tails the vector steps do not copy. A normalized row takes the vector steps from
     ``scratch`` (d elements of the compute dtype), where sum_of_squares and scale_row put it
-    (see :func:`_factor`). It streams where its target keeps the scratch row's dtype (float32,
-    float64), and so do the v rows of a step that normalizes k; rows narrowed to a 2-byte type
-    store plainly, and so do their v rows: streaming them made a large normalized bfloat16 step
-    slower. ``numbers``: eps
-    and the caches' multipliers. (Thirty arguments at most: CPython passes a longer call's as
-    a tuple, which Numba does not inline.)"""
+    (see :func:`_factor`). Under STREAM_Q (STREAM_KV), a normalized q (k) row whose target keeps
+    the scratch row's dtype (float32, float64) streams from it, and so do the v rows beside
+    normalized k rows; normalized rows narrowed to a 2-byte type, and their v rows, store
+    plainly, which a large normalized bfloat16 step runs faster with. ``numbers``: eps and the
+    caches' multipliers. (Thirty arguments at most: CPython passes a longer call's as a tuple,
+    which Numba does not inline.)"""
     eps, k_multiplier, v_multiplier = numbers[0], numbers[1], numbers[2]
     row = rows[t]
     tb = np.uint64(row) * np.uint64(cos.strides[0] // cos.itemsize)

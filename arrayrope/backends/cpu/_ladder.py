@@ -86,11 +86,11 @@ def chunk_walk(half, widths, nontemporal):
     chunk takes the step for what it holds (see _simd.chunk_step). Where all of its elements
     have their partners on one side (plain loads), steps of ``widths[0]`` bytes, then one of 32
     where ``widths`` has it, then of 16; the 16 bytes across the pair blocks' edge h and the 16
-    across the rotary part's end take masked loads. In the half layout that is the walk 0..h,
-    then h..n, then the end."""
+    across the rotary part's end take masked loads (one chunk where both fall in the same 16
+    bytes). In the half layout that is the walk 0..h, then h..n, then the end."""
     wide, *mid, narrow = widths
     if narrow != 16 or mid not in ([], [32]):
-        raise ValueError(f"a chunk walk ends in 16-byte steps, got widths {widths}")
+        raise ValueError(f"a chunk walk takes widths (widest, [32,] 16), got {widths}")
     has_middle = bool(mid)
     if half:
         first_w, second_w = (chunk_step(True, k, wide, nontemporal) for k in ("first", "second"))
@@ -147,7 +147,7 @@ def chunk_walk(half, widths, nontemporal):
             while k < end:
                 second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
-            if end < n and k <= end:  # the chunk across the end n, unless that was the edge's
+            if end < n and k <= end:  # the chunk across the end n, unless the edge's holds it
                 mixed_16(x, xr, o, orow, h, cos, sin, t, end, inverse)
 
         return variant(impl, "chunks", "half" if half else "pairs", widths, nontemporal)

@@ -413,8 +413,10 @@ def chunk_step(half, kind, nbytes, nontemporal):
     the first half of the half layout's pairs: j with partner j + h), "second" (all in its
     second half: j with partner j - h), or "mixed" (any, and elements past 2h, which get x's
     bits). A mixed chunk reads only what its elements need (masked loads), so its other
-    lanes' addresses may lie outside the arrays. (Interleaved chunks inside the rotary part
-    take row_step.) The arithmetic is _half_step's and _interleaved's, element for element."""
+    lanes' addresses may lie outside the arrays (x's own 16 bytes at k are whole: rows are
+    whole multiples of 16 bytes here). (Interleaved chunks inside the rotary part take
+    row_step.) The arithmetic is _half_step's and _interleaved's, element for element (the
+    mixed half-style chunk's x c + p (-s) rounds as x c - p s)."""
     if kind not in ("first", "second", "mixed") or (not half and kind != "mixed"):
         raise ValueError(f"no {kind!r} chunk for the {'half' if half else 'interleaved'} style")
 
@@ -432,7 +434,8 @@ def chunk_step(half, kind, nbytes, nontemporal):
             xa = builder.add(xr_, k_)
             bits = _load_bits(context, builder, tys[0], x_, xa, lanes)
             xk = _widen(builder, tys[0].dtype, bits)
-            rotary = _below(builder, k_, builder.shl(h_, h_.type(1)), lanes)
+            if kind == "mixed":  # lanes inside the rotary part
+                rotary = _below(builder, k_, builder.shl(h_, h_.type(1)), lanes)
             if half and kind == "mixed":
                 # Both sides' formulas in one: x[j] c[i] + x[j'] (-s[i]) with i = j, j' = j + h
                 # in the first half; x[j] c[i] + x[j'] s[i] with i = j' = j - h in the second.
