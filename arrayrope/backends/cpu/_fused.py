@@ -36,6 +36,10 @@ _HALF_ROW = ladder(True, _WIDTHS, False)
 _PAIR_ROW = ladder(False, _WIDTHS, False)
 _HALF_ROW_STREAMING = ladder(True, _WIDTHS, True)
 _PAIR_ROW_STREAMING = ladder(False, _WIDTHS, True)
+# A normalized row streams from the scratch row only where the target keeps its dtype (see
+# _token): for other targets these compile to nothing.
+_HALF_SCRATCH_STREAMING = ladder(True, _WIDTHS, True, one_dtype=True)
+_PAIR_SCRATCH_STREAMING = ladder(False, _WIDTHS, True, one_dtype=True)
 _COPY_64, _COPY_16 = copy_bytes(False, 64), copy_bytes(False, 16)
 _STREAM_64, _STREAM_16 = copy_bytes(True, 64), copy_bytes(True, 16)
 
@@ -254,9 +258,9 @@ def _token(
             scale_row(q, xb, np.uint64(d), _factor(total, d, eps, zero_c), q_weight, scratch)
             if stream_q and qo.itemsize == scratch.itemsize:
                 if half_style:
-                    _HALF_ROW_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                    _HALF_SCRATCH_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
                 else:
-                    _PAIR_ROW_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
+                    _PAIR_SCRATCH_STREAMING(scratch, zero, qo, ob, n, cos, sin, tb, inverse)
                 if d > rotary_dim:
                     _copy_rows(scratch, zero, qo, ob, rotary_dim, d, True)
             else:
@@ -298,9 +302,9 @@ def _token(
             scale_row(k, kb, np.uint64(d), _factor(total, d, eps, zero_c), k_weight, scratch)
             if stream_kv and kc.itemsize == scratch.itemsize:
                 if half_style:
-                    _HALF_ROW_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                    _HALF_SCRATCH_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
                 else:
-                    _PAIR_ROW_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
+                    _PAIR_SCRATCH_STREAMING(scratch, zero, kc, cb, n, cos, sin, tb, inverse)
                 if d > rotary_dim:
                     _copy_rows(scratch, zero, kc, cb, rotary_dim, d, True)
                 _copy_rows(v, vb, vc, vcb, 0, d, True)

@@ -29,12 +29,14 @@ def variant(fn, *parts):
     return fn
 
 
-def ladder(half, widths, nontemporal, aligned=True):
+def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
     """A function ``rotate(x, xr, o, orow, n, cos, sin, t, inverse)`` for Numba: rotate the
     ``n`` rotary elements of the row of o at flat offset ``orow`` from the row of x at ``xr``
     (pairs (j, j + n/2) where ``half``, else (2j, 2j + 1)), by the table row at offset ``t`` of
     cos and sin, in steps of ``widths`` bytes (two or three: see the module). The offsets and
-    ``n`` share one integer type, signed or unsigned, which the ladder keeps."""
+    ``n`` share one integer type, signed or unsigned, which the ladder keeps. ``one_dtype``:
+    where x's and o's dtypes differ, the ladder does nothing (for a call its caller skips at
+    run time there, which then costs no compiled steps)."""
     if len(widths) not in (2, 3):
         raise ValueError(f"a ladder has two or three steps, got widths {widths}")
     first, *rest = (row_step(half, w, nontemporal, aligned) for w in widths)
@@ -50,6 +52,12 @@ def ladder(half, widths, nontemporal, aligned=True):
     # site instead, it doubled the direct path's compile time
     @overload(rotate)
     def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+        if one_dtype and x.dtype != o.dtype:
+
+            def nothing(x, xr, o, orow, n, cos, sin, t, inverse):
+                return None
+
+            return variant(nothing, "none", half, widths, nontemporal, aligned)
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
         # elements per step along the loop's j, which counts pairs where half, else elements
