@@ -6,7 +6,8 @@ copy of the same bytes and against full rotary at the same head size, measured i
 
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
 fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in float32; the
-fractions at d = 128 in float16, bfloat16 and float64; and at d = 128, rotary 1/2, the other
+fractions at d = 128 in float16, bfloat16 and float64, and 1 and 0.4 at d = 96 in float16 and
+bfloat16 (38 of 96: pair blocks off the 16-byte grid); and at d = 128, rotary 1/2, the other
 ways of storing results (a new result, in place, rotate_qk with a quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
@@ -68,6 +69,10 @@ def matrix(nbytes, repeats):
         for fraction in FRACTIONS:
             for style in ("interleaved", "half"):
                 cases.append((128, _rotary(128, fraction), style, dtype, "out="))
+    for dtype in (np.float16, ml_dtypes.bfloat16):  # d = 96 at 0.4: pair blocks off the grid
+        for style in ("interleaved", "half"):
+            cases.append((96, 96, style, dtype, "out="))
+            cases.append((96, _rotary(96, 0.4), style, dtype, "out="))
     for mode in ("new", "in place", "rotate_qk"):
         for style in ("interleaved", "half"):
             cases.append((128, 64, style, np.float32, mode))
