@@ -181,3 +181,33 @@ def test_vector_steps_round_bfloat16_results_once_at_every_scale(style):
     want = expected[0].transpose(1, 0, 2)
     _same(got.astype(np.float32), want[:, :4].astype(np.float32))
     _same(k_cache.reshape(64, 2, 128).astype(np.float32), want[:, 4:6].astype(np.float32))
+
+
+def test_plain_bfloat16_steps_round_with_the_conversion_instruction_where_compiled_for_it():
+    # Where Numba compiles for AVX512-BF16 with 64-byte steps, the plain steps of 32 bfloat16
+    # results (the half style's 64-byte step, the pair steps of 32 and 64 bytes) round them with
+    # vcvtne2ps2bf16, whose flushed subnormals the branch beside it rounds again (see
+    # test_vector_steps_round_bfloat16_results_once_at_every_scale); streaming steps and
+    # other CPUs round with integer arithmetic.
+    from numba import njit
+
+    from arrayrope.backends.cpu._config import BF16_INSTRUCTION, VECTOR_BYTES
+    from arrayrope.backends.cpu._simd import row_step
+
+    def asm_of(step):
+        def call(x, o, cos, sin):
+            zero = np.uint64(0)
+            step(x, zero, o, zero, np.uint64(64), cos, sin, zero, zero, False)
+
+        compiled = njit(cache=False)(call)
+        bits, table = np.zeros(256, np.uint16), np.zeros(256, np.float32)
+        compiled(bits, bits.copy(), table, table)
+        return compiled.inspect_asm(compiled.signatures[-1])
+
+    fast = [(True, 64), (False, 64), (False, 32)] if VECTOR_BYTES == 64 else []
+    for half, width in fast:
+        assert ("vcvtne2ps2bf16" in asm_of(row_step(half, width, False))) == BF16_INSTRUCTION
+    for half, width in [(True, 32), (True, 16), (False, 16)]:
+        assert "vcvtne2ps2bf16" not in asm_of(row_step(half, width, False))
+    for half in (True, False):
+        assert "vcvtne2ps2bf16" not in asm_of(row_step(half, 64, True))

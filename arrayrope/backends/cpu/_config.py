@@ -94,6 +94,23 @@ def _vector_bytes():
 
 
 VECTOR_BYTES, _FORCED_WIDTH = _vector_bytes()
+
+
+def _bf16_instruction():
+    """Whether the vector steps round float32 to bfloat16 with AVX512-BF16's vcvtne2ps2bf16
+    (see _simd._bf16_two): where the steps are 64 bytes wide and Numba compiles for a CPU that
+    has it (NUMBA_CPU_FEATURES where set, else the host's; a NUMBA_CPU_NAME alone says nothing
+    here)."""
+    if numba.config.CPU_FEATURES:
+        features = numba.config.CPU_FEATURES
+    elif numba.config.CPU_NAME:
+        features = ""
+    else:
+        features = ll.get_host_cpu_features().flatten()
+    return STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in features.split(",")
+
+
+BF16_INSTRUCTION = _bf16_instruction()
 # Disk cache of compiled kernels. Off when the software float16 path or a vector width is
 # forced: Numba's cache key does not see those switches, and would hand back kernels built for
 # the others.

@@ -21,8 +21,18 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
+from ._config import BF16_INSTRUCTION
+
 # Streaming stores and their fence are x86 instructions.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+# AVX512-BF16's vcvtne2ps2bf16 (see _config.BF16_INSTRUCTION) rounds two float32 vectors to
+# bfloat16 in one instruction, half to even as _convert.f32_to_bf16_result does, but with
+# results below float32's smallest normal flushed to zero (see _bf16_two). LLVM emits it from
+# inline assembly only, which its JIT reads with the native assembly parser. Plain stores only:
+# a streaming store of 2-byte elements goes in 16-byte pieces (see _store_streaming), and a
+# large streaming rotation ran slower with it.
+if BF16_INSTRUCTION:
+    ll.initialize_native_asmparser()
 
 
 @intrinsic
@@ -248,6 +258,15 @@ def _narrow(builder, dtype, value, nontemporal=False):
         )
     if dtype != types.uint16:
         return value
+    if BF16_INSTRUCTION and lanes == 32 and not nontemporal:  # see BF16_INSTRUCTION
+        i32 = ir.IntType(32)
+        low, high = (
+            builder.shuffle_vector(
+                value, value, ir.Constant(ir.VectorType(i32, 16), [*range(at, at + 16)])
+            )
+            for at in (0, 16)
+        )
+        return _bf16_two(builder, low, high)
     rounded = _bf16_round_lanes(builder, value)  # bfloat16 bits in each word's high half
     if nontemporal:  # x86-64 stores it in 16-byte pieces (see _store_streaming): per vector
         return builder.trunc(
@@ -260,6 +279,37 @@ def _narrow(builder, dtype, value, nontemporal=False):
     words = builder.bitcast(rounded, ir.VectorType(ir.IntType(16), 2 * lanes))
     high = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [2 * k + 1 for k in range(lanes)])
     return builder.shuffle_vector(words, words, high)
+
+
+def _bf16_two(builder, low, high):
+    """Two float32 vectors of 8 or 16 lanes as one vector of their bfloat16 bits, ``low``'s
+    first, by one vcvtne2ps2bf16. Where any result is zero, as every result below float32's
+    smallest normal becomes there, both are rounded again by :func:`_bf16_round_lanes` (the
+    same bits, subnormals kept), on a branch that inputs without zeros never take."""
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    lanes = 2 * low.type.count
+    bits = ir.VectorType(i16, lanes)
+    convert = ir.FunctionType(bits, [low.type, low.type])
+    # AT&T operand order: the first source fills the low half
+    fast = builder.asm(convert, "vcvtne2ps2bf16 $2, $1, $0", "=v,v,v", [high, low], False)
+    magnitude = builder.and_(fast, _splat(i16, lanes, 0x7FFF))
+    zeros = builder.icmp_unsigned("==", magnitude, _splat(i16, lanes, 0))
+    any_zero = builder.icmp_unsigned(
+        "!=", builder.bitcast(zeros, ir.IntType(lanes)), ir.IntType(lanes)(0)
+    )
+    fast_from = builder.block
+    with builder.if_then(any_zero, likely=False):
+        both = builder.shuffle_vector(
+            low, high, ir.Constant(ir.VectorType(i32, lanes), [*range(lanes)])
+        )
+        words = builder.bitcast(_bf16_round_lanes(builder, both), ir.VectorType(i16, 2 * lanes))
+        odd = ir.Constant(ir.VectorType(i32, lanes), [2 * k + 1 for k in range(lanes)])
+        exact = builder.shuffle_vector(words, words, odd)  # each word's high half
+        exact_from = builder.block
+    result = builder.phi(bits)
+    result.add_incoming(fast, fast_from)
+    result.add_incoming(exact, exact_from)
+    return result
 
 
 def _bf16_round_lanes(builder, value):
@@ -546,11 +596,20 @@ def _bfloat16_codegen(nbytes, nontemporal, aligned):
         b = builder.bitcast(builder.and_(pair, _splat(i32, lanes, 0xFFFF0000)), floats)
         c = _load_lanes(context, builder, tys[4], cos_, t_, lanes)
         s = _signed_sin(builder, _load_lanes(context, builder, tys[5], sin_, t_, lanes), inverse_)
-        first = _bf16_round_lanes(builder, builder.fsub(builder.fmul(a, c), builder.fmul(b, s)))
-        second = _bf16_round_lanes(builder, builder.fadd(builder.fmul(b, c), builder.fmul(a, s)))
-        result = builder.or_(
-            builder.lshr(first, sixteen), builder.and_(second, _splat(i32, lanes, 0xFFFF0000))
-        )
+        first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
+        second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
+        if BF16_INSTRUCTION and lanes in (8, 16) and not nontemporal:  # see BF16_INSTRUCTION
+            both = _bf16_two(builder, first, second)
+            pairs = [i for k in range(lanes) for i in (k, lanes + k)]
+            both = builder.shuffle_vector(
+                both, both, ir.Constant(ir.VectorType(i32, 2 * lanes), pairs)
+            )
+            result = builder.bitcast(both, words)
+        else:
+            result = builder.or_(
+                builder.lshr(_bf16_round_lanes(builder, first), sixteen),
+                builder.and_(_bf16_round_lanes(builder, second), _splat(i32, lanes, 0xFFFF0000)),
+            )
         align = 16 if aligned else 2
         _store_streaming(context, builder, tys[2], o_, oa_, result, align, nontemporal)
         return context.get_dummy_value()
