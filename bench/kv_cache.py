@@ -15,11 +15,13 @@ q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches a
   copy with streaming stores (bench/bench.py's), a second, stricter ceiling where the fused
   step streams (a prefill too large for the cache).
 
-Prefill: 2048 tokens at positions 100..2147 into consecutive slots; decode: 32 tokens at mixed
-positions below 30,000, into slots scattered over a 4096-slot cache, and the same 10**6 further
-on (past the cache of cos/sin rows: each token's row made for the call). With QK-norm, the same
-prefill and decode with ``q_norm=`` and ``k_norm=`` weights (norm_eps 1e-6), the unfused step
-normalizing q and k with NumPy in float32 first. ``bench/bench.py`` prints the same rows.
+Prefill: 2048 tokens at positions 100..2147 into consecutive slots (in bfloat16 a projection of
+24 MiB, which a last-level cache of 32 MiB partly holds for the copy), and 8192 tokens, whose
+projection no such cache holds; decode: 32 tokens at mixed positions below 30,000, into slots
+scattered over a 4096-slot cache, and the same 10**6 further on (past the cache of cos/sin
+rows: each token's row made for the call). With QK-norm, the same prefill of 2048 tokens and
+decode with ``q_norm=`` and ``k_norm=`` weights (norm_eps 1e-6), the unfused step normalizing q
+and k with NumPy in float32 first. ``bench/bench.py`` prints the same rows.
 """
 
 import argparse
@@ -118,6 +120,7 @@ def rows(rounds):
     found = []
     steps = (  # (label, tokens, calls per round, decode, first position, norm)
         ("prefill", 2048, 1, False, 0, False),
+        ("prefill 8192", 8192, 1, False, 0, False),
         ("decode", 32, 200, True, 0, False),
         ("decode from 10**6", 32, 200, True, 10**6, False),
         ("prefill, QK-norm", 2048, 1, False, 0, True),
