@@ -136,7 +136,8 @@ def info():
         "numba": f"{numba.__version__} (llvmlite {llvmlite.__version__})",
         "cpu": f"{_cpu_model()}, {binding.get_host_cpu_name()}",
         "vector steps": f"{isa}: {_config.VECTOR_BYTES}-byte steps, "
-        f"F16C {'yes' if _config.HARDWARE_F16 else 'no'}",
+        f"F16C {'yes' if _config.HARDWARE_F16 else 'no'}, "
+        f"AVX512-BF16 rounding {'yes' if _config.BF16_INSTRUCTION else 'no'}",
         "threads": f"{numba.config.NUMBA_NUM_THREADS}, threading layer {layer}",
         "kernel cache": folder,
         "cached kernels": f"{kernels} kernels, {variants} compiled variants",

@@ -185,14 +185,26 @@ def test_vector_steps_round_bfloat16_results_once_at_every_scale(style):
 
 def test_plain_bfloat16_steps_round_with_the_conversion_instruction_where_compiled_for_it():
     # Where Numba compiles for AVX512-BF16 with 64-byte steps, the plain steps of 32 bfloat16
-    # results (the half style's 64-byte step, the pair steps of 32 and 64 bytes) round them with
-    # vcvtne2ps2bf16, whose flushed subnormals the branch beside it rounds again (see
-    # test_vector_steps_round_bfloat16_results_once_at_every_scale); streaming steps and
-    # other CPUs round with integer arithmetic.
+    # results (the half style's 64-byte step and chunk, the pair steps of 32 and 64 bytes)
+    # round them with vcvtne2ps2bf16, whose flushed subnormals the branch beside it rounds
+    # again (see test_plain_bfloat16_steps_keep_subnormal_results); streaming steps and other
+    # CPUs round with integer arithmetic. Where the kernel says the CPU has the instruction
+    # and nothing changes what Numba compiles for, it is taken.
+    import os
+
     from numba import njit
 
     from arrayrope.backends.cpu._config import BF16_INSTRUCTION, VECTOR_BYTES
-    from arrayrope.backends.cpu._simd import row_step
+    from arrayrope.backends.cpu._simd import chunk_step, row_step
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = info.read().split()
+    except OSError:
+        flags = []
+    chosen = {"NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_ENABLE_AVX"} & set(os.environ)
+    if "avx512_bf16" in flags and VECTOR_BYTES == 64 and not chosen:
+        assert BF16_INSTRUCTION
 
     def asm_of(step):
         def call(x, o, cos, sin):
@@ -207,7 +219,59 @@ def test_plain_bfloat16_steps_round_with_the_conversion_instruction_where_compil
     fast = [(True, 64), (False, 64), (False, 32)] if VECTOR_BYTES == 64 else []
     for half, width in fast:
         assert ("vcvtne2ps2bf16" in asm_of(row_step(half, width, False))) == BF16_INSTRUCTION
+    chunk = chunk_step(True, "first", 64, False)
+    assert ("vcvtne2ps2bf16" in asm_of(chunk)) == (BF16_INSTRUCTION and VECTOR_BYTES == 64)
     for half, width in [(True, 32), (True, 16), (False, 16)]:
         assert "vcvtne2ps2bf16" not in asm_of(row_step(half, width, False))
     for half in (True, False):
         assert "vcvtne2ps2bf16" not in asm_of(row_step(half, 64, True))
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("d, rotary_dim", [(96, 96), (80, 80), (256, 102)])
+def test_plain_bfloat16_steps_keep_subnormal_results(style, d, rotary_dim):
+    # Plain stores of bfloat16 results at every step width that may round with vcvtne2ps2bf16
+    # (d = 96: a 64- and a 32-byte step; 80: 32 and 16 bytes in pairs; 102 of 256: chunks of
+    # 64 bytes with pair blocks off the 16-byte grid), rows at scales from 2**-140 to 2**99:
+    # the results are the float32 results rounded half to even, subnormals included.
+    import arrayrope as ar
+    from arrayrope.backends.cpu import _config
+
+    rng = np.random.default_rng(d + rotary_dim)
+    scale = 2.0 ** rng.integers(-140, 100, (2, 8, 64, 1))
+    x = (rng.standard_normal((2, 8, 64, d)) * scale).astype(np.float32).astype(BF16)
+    pos = rng.integers(0, 5000, 64)
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    expected = rope.rotate(x.astype(np.float32), pos).astype(BF16).astype(np.float32)
+    assert np.count_nonzero(np.abs(expected) < 2.0**-126) > 500
+    for small_below in (0, 1 << 40):  # the launched kernels, then the small path
+        with _config.override(stream_above=1 << 62, small_below=small_below):
+            _same(rope.rotate(x, pos).astype(np.float32), expected)
+            y = x.copy()
+            rope.rotate(y, pos, out=y)
+            _same(y.astype(np.float32), expected)
+
+
+def test_bfloat16_kernels_compile_where_numba_turns_avx_off():
+    # NUMBA_ENABLE_AVX=0 takes every AVX feature from what Numba compiles for: the conversion
+    # instruction, whose operands need AVX-512 registers, must then stay out of the kernels.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, ml_dtypes, arrayrope as ar\n"
+        "from arrayrope.backends.cpu import _config\n"
+        "assert not _config.BF16_INSTRUCTION\n"
+        "x = np.random.default_rng(0).standard_normal((1, 32, 64, 128))\n"
+        "x = x.astype(ml_dtypes.bfloat16)\n"
+        "want = ar.rotate(x, np.arange(64), backend='numpy')\n"
+        "got = ar.rotate(x, np.arange(64))\n"
+        "assert (got.view(np.uint16) == want.view(np.uint16)).all()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, NUMBA_ENABLE_AVX="0", ARRAYROPE_NUMBA_CACHE="0")
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

@@ -2,8 +2,8 @@
 
 The environment is read once, into one :class:`Config`; plans read it when they are built, and
 tests change it through :func:`override`, which also drops every plan built under the old one.
-The facts of the machine that code generation depends on (streaming stores, F16C) are constants
-of the process, not switches.
+The facts of the machine that code generation depends on (streaming stores, F16C, the vector
+width, AVX512-BF16) are constants of the process, not switches.
 """
 
 import contextlib
@@ -14,6 +14,7 @@ import threading
 
 import numba
 from llvmlite import binding as ll
+from numba.core import codegen
 
 from ... import _cache
 
@@ -97,16 +98,17 @@ VECTOR_BYTES, _FORCED_WIDTH = _vector_bytes()
 
 
 def _bf16_instruction():
-    """Whether the vector steps round float32 to bfloat16 with AVX512-BF16's vcvtne2ps2bf16
-    (see _simd._bf16_two): where the steps are 64 bytes wide and Numba compiles for a CPU that
-    has it (NUMBA_CPU_FEATURES where set, else the host's; a NUMBA_CPU_NAME alone says nothing
-    here)."""
+    """Whether the vector steps that store bfloat16 results plainly round them with AVX512-BF16's
+    vcvtne2ps2bf16 (see _simd._bf16_two): where the steps are 64 bytes wide and Numba compiles
+    for a CPU that has it, by the features Numba compiles with (NUMBA_CPU_FEATURES where set,
+    else the host's less any NUMBA_ENABLE_AVX=0 turns off; a NUMBA_CPU_NAME without features
+    turns it off)."""
     if numba.config.CPU_FEATURES:
         features = numba.config.CPU_FEATURES
     elif numba.config.CPU_NAME:
         features = ""
     else:
-        features = ll.get_host_cpu_features().flatten()
+        features = codegen.get_host_cpu_features()
     return STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in features.split(",")
 
 

@@ -30,7 +30,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # results below float32's smallest normal flushed to zero (see _bf16_two). LLVM emits it from
 # inline assembly only, which its JIT reads with the native assembly parser. Plain stores only:
 # a streaming store of 2-byte elements goes in 16-byte pieces (see _store_streaming), and a
-# large streaming rotation ran slower with it.
+# large streaming rotation is slower with the instruction than with the integer rounding.
 if BF16_INSTRUCTION:
     ll.initialize_native_asmparser()
 
