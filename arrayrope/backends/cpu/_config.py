@@ -97,22 +97,24 @@ def _vector_bytes():
 VECTOR_BYTES, _FORCED_WIDTH = _vector_bytes()
 
 
-def _bf16_instruction():
-    """Whether the vector steps that store bfloat16 results plainly round them with AVX512-BF16's
-    vcvtne2ps2bf16 (see _simd._bf16_two): where the steps are 64 bytes wide and Numba compiles
-    for a CPU that has it, by the features Numba compiles with (NUMBA_CPU_FEATURES where set,
-    else the host's less any NUMBA_ENABLE_AVX=0 turns off; a NUMBA_CPU_NAME without features
-    turns it off)."""
+def _compiled_features():
+    """The CPU features Numba compiles for: NUMBA_CPU_FEATURES where set, else the host's less
+    any NUMBA_ENABLE_AVX=0 turns off; none where NUMBA_CPU_NAME is set without features."""
     if numba.config.CPU_FEATURES:
-        features = numba.config.CPU_FEATURES
-    elif numba.config.CPU_NAME:
-        features = ""
-    else:
-        features = codegen.get_host_cpu_features()
-    return STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in features.split(",")
+        return numba.config.CPU_FEATURES.split(",")
+    if numba.config.CPU_NAME:
+        return []
+    return codegen.get_host_cpu_features().split(",")
 
 
-BF16_INSTRUCTION = _bf16_instruction()
+# The vector steps that store bfloat16 results plainly round them with AVX512-BF16's
+# vcvtne2ps2bf16 (see _simd._bf16_two) where the steps are 64 bytes wide and Numba compiles for
+# a CPU that has it.
+BF16_INSTRUCTION = STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in _compiled_features()
+# The half style's rows with pair blocks off the 16-byte grid compute each pair once and place
+# the results with AVX-512's two-register permutes (see _simd.paired_row) where the steps are
+# 64 bytes wide and Numba compiles for AVX512BW.
+PAIRED_ROWS = STREAMING and VECTOR_BYTES == 64 and "+avx512bw" in _compiled_features()
 # Disk cache of compiled kernels. Off when the software float16 path or a vector width is
 # forced: Numba's cache key does not see those switches, and would hand back kernels built for
 # the others.

@@ -7,14 +7,16 @@ runs at most once; a last width of None (one pair) repeats to the row's end. The
 part must be a whole number of the narrowest step.
 
 A chunk walk (:func:`chunk_walk`) takes the same arguments for rows on the 16-byte grid whose
-pair blocks are not: it writes the row in chunks on the grid instead of pair blocks.
+pair blocks are not: it writes the row in chunks on the grid instead of pair blocks (the half
+style's 2-byte rows with AVX-512 through _simd.paired_row, which computes each pair once).
 """
 
 import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._simd import chunk_step, row_step
+from ._config import PAIRED_ROWS
+from ._simd import PAIRED_BLOCKS, chunk_step, paired_row, row_step
 
 
 def variant(fn, *parts):
@@ -95,7 +97,10 @@ def chunk_walk(half, widths, nontemporal):
     have their partners on one side (plain loads), steps of ``widths[0]`` bytes, then one of 32
     where ``widths`` has it, then of 16; the 16 bytes across the pair blocks' edge h and the 16
     across the rotary part's end take masked loads (one chunk where both fall in the same 16
-    bytes). In the half layout that is the walk 0..h, then h..n, then the end."""
+    bytes). In the half layout that is the walk 0..h, then h..n, then the end. Where
+    _config.PAIRED_ROWS, rows of the half style's 2-byte types whose h pairs _simd.paired_row
+    holds take it instead: the walk reads each element twice, as itself and as its partner,
+    where it computes each pair once."""
     wide, *mid, narrow = widths
     if narrow != 16 or mid not in ([], [32]):
         raise ValueError(f"a chunk walk takes widths (widest, [32,] 16), got {widths}")
@@ -109,6 +114,8 @@ def chunk_walk(half, widths, nontemporal):
         first_32 = row_step(False, 32, nontemporal)
         second_w, second_32, second_16 = first_w, first_32, first_16
     mixed_16 = chunk_step(half, "mixed", 16, nontemporal)
+    take_paired = half and PAIRED_ROWS  # each pair computed once (see _simd.paired_row)
+    paired = paired_row(nontemporal) if take_paired else None
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part in aligned chunks (see :func:`chunk_walk`)."""
@@ -125,7 +132,15 @@ def chunk_walk(half, widths, nontemporal):
         m = kind(32 // item)
         two = kind(2)
 
+        # rows of the 2-byte types whose pairs paired_row holds take it; the wider types keep
+        # the walk, which writes their rows as fast
+        use_paired = take_paired and item == 2
+        paired_limit = kind(2 * PAIRED_BLOCKS * (64 // item))
+
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
+            if use_paired and n <= paired_limit:
+                paired(x, xr, o, orow, n, cos, sin, t, inverse)
+                return
             h = n // two
             edge = h if half else n - n  # interleaved: no edge inside the rotary part
             # Where the chunks wholly on one side end, and so where the mixed chunks start,
