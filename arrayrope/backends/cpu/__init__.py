@@ -34,6 +34,7 @@ from . import (
 from ._config import HARDWARE_F16, STREAMING, threads_usable
 from ._fused_launch import launch as launch_fused
 from ._gather import GATHER_ABOVE, ONE_RUN, SHARED_BY, entries, per_entry
+from ._ladder import takes_paired_row
 from ._parallel import launch_parallel, scratch_blocks
 from ._rows import (
     CHUNKED,
@@ -126,7 +127,8 @@ def _filled_stream(spec, operands, segments, cos, sin):
     large = _streams(operands)
     if direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
-    if vector_steps(spec, operands, segments, cos, sin) and _rows_on_grid(operands):
+    steps = vector_steps(spec, operands, segments, cos, sin)
+    if steps and _rows_on_grid(operands) and _chunks_hold(spec, operands):
         return CHUNKED if large else CHUNKED_PLAIN
     return 0
 
@@ -205,7 +207,8 @@ def _stream(spec, operands, segments, cos, sin):
     if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
     steps = vector_steps(spec, operands, segments, cos, sin)
-    if (large or _config.CONFIG.vector_rows) and steps and _rows_on_grid(operands):
+    chunks = _rows_on_grid(operands) and _chunks_hold(spec, operands)
+    if (large or _config.CONFIG.vector_rows) and steps and chunks:
         # rows on the grid, pair blocks off it: chunks on the grid (see _direct), which stream
         return CHUNKED if large else CHUNKED_PLAIN
     if _config.CONFIG.vector_rows and steps:
@@ -278,6 +281,16 @@ def _rows_on_grid(operands):
         if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):
             return False
     return True
+
+
+def _chunks_hold(spec, operands):
+    """Whether the chunk walk takes these rows: all but the half style's 2-byte rows with more
+    rotary elements than _simd.paired_row holds, where it takes them (see
+    _ladder.takes_paired_row), which take the vector steps with plain stores instead."""
+    item = operands[0][0].itemsize
+    if not takes_paired_row(spec.half_style, item):
+        return True
+    return takes_paired_row(spec.half_style, item, spec.rotary_dim)
 
 
 def direct_path(spec, operands, segments, cos, sin):

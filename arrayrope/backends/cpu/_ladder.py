@@ -89,6 +89,19 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
     return rotate
 
 
+# The rotary parts _simd.paired_row holds, in elements of a 2-byte type (see takes_paired_row)
+PAIRED_ROTARY = 2 * PAIRED_BLOCKS * 32
+
+
+def takes_paired_row(half, item, rotary_dim=0):
+    """Whether the chunk walk's rows of ``item``-byte elements take _simd.paired_row, which
+    computes each pair once where the walk reads each element twice (as itself and as its
+    partner): the half style's 2-byte types, where _config.PAIRED_ROWS (the wider types keep
+    the walk, which writes their rows as fast). The launcher gives it rows whose
+    ``rotary_dim`` it holds (at most PAIRED_ROTARY) and others another path."""
+    return half and PAIRED_ROWS and item == 2 and rotary_dim <= PAIRED_ROTARY
+
+
 def chunk_walk(half, widths, nontemporal):
     """A function with a ladder's arguments for Numba that writes the row of o at ``orow``
     (16-byte aligned) in chunks on the 16-byte grid whatever the grid of its pair blocks, up to
@@ -97,10 +110,8 @@ def chunk_walk(half, widths, nontemporal):
     have their partners on one side (plain loads), steps of ``widths[0]`` bytes, then one of 32
     where ``widths`` has it, then of 16; the 16 bytes across the pair blocks' edge h and the 16
     across the rotary part's end take masked loads (one chunk where both fall in the same 16
-    bytes). In the half layout that is the walk 0..h, then h..n, then the end. Where
-    _config.PAIRED_ROWS, rows of the half style's 2-byte types whose h pairs _simd.paired_row
-    holds take it instead: the walk reads each element twice, as itself and as its partner,
-    where it computes each pair once."""
+    bytes). In the half layout that is the walk 0..h, then h..n, then the end. Rows that
+    :func:`takes_paired_row` says take _simd.paired_row instead."""
     wide, *mid, narrow = widths
     if narrow != 16 or mid not in ([], [32]):
         raise ValueError(f"a chunk walk takes widths (widest, [32,] 16), got {widths}")
@@ -114,8 +125,7 @@ def chunk_walk(half, widths, nontemporal):
         first_32 = row_step(False, 32, nontemporal)
         second_w, second_32, second_16 = first_w, first_32, first_16
     mixed_16 = chunk_step(half, "mixed", 16, nontemporal)
-    take_paired = half and PAIRED_ROWS  # each pair computed once (see _simd.paired_row)
-    paired = paired_row(nontemporal) if take_paired else None
+    paired = paired_row(nontemporal) if half and PAIRED_ROWS else None
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part in aligned chunks (see :func:`chunk_walk`)."""
@@ -132,15 +142,14 @@ def chunk_walk(half, widths, nontemporal):
         m = kind(32 // item)
         two = kind(2)
 
-        # rows of the 2-byte types whose pairs paired_row holds take it; the wider types keep
-        # the walk, which writes their rows as fast
-        use_paired = take_paired and item == 2
-        paired_limit = kind(2 * PAIRED_BLOCKS * (64 // item))
+        if takes_paired_row(half, item):
+
+            def paired_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+                paired(x, xr, o, orow, n, cos, sin, t, inverse)
+
+            return variant(paired_impl, "paired", nontemporal)
 
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
-            if use_paired and n <= paired_limit:
-                paired(x, xr, o, orow, n, cos, sin, t, inverse)
-                return
             h = n // two
             edge = h if half else n - n  # interleaved: no edge inside the rotary part
             # Where the chunks wholly on one side end, and so where the mixed chunks start,
