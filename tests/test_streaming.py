@@ -574,3 +574,23 @@ def test_streaming_steps_store_with_streaming_stores_only():
         found = [m.group(1) for m in map(store.match, asm.splitlines()) if m]
         assert found, bits_dtype
         assert all(name.startswith("vmovnt") for name in found), (bits_dtype, set(found))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=str)
+@pytest.mark.parametrize("stream_above", [0, 1 << 62], ids=["streaming", "plain"])
+def test_half_rows_longer_than_a_paired_row_holds_take_another_path(dtype, stream_above):
+    # The half style's 2-byte rows with pair blocks off the grid take _simd.paired_row, which
+    # holds up to 1024 rotary elements: longer ones take another path on both routes, rows from
+    # the cache of cos/sin rows and rows made per position past it (positions to 2**30).
+    if dtype == np.float16 and not _config.HARDWARE_F16:
+        pytest.skip("float16 takes the general loop where the CPU does not convert it")
+    rng = np.random.default_rng(7)
+    for rotary_dim, d in ((2046, 2048), (1030, 1040)):
+        x = rng.standard_normal((2, 9, d)).astype(dtype)
+        rope = ar.RoPE(d, style="half", rotary_dim=rotary_dim)
+        for pos in (rng.integers(0, 5000, 9), rng.integers(0, 2**30, 9)):
+            want = rope.rotate(x, pos, backend="numpy")
+            out = np.empty_like(x)
+            with _config.override(stream_above=stream_above, serial_below=1 << 62, small_below=0):
+                rope.rotate(x, pos, out=out)
+            np.testing.assert_array_equal(bits(out), bits(want))

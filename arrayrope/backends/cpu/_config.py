@@ -54,7 +54,8 @@ class Config:
     # are on the grid and pair blocks off it, in chunks on the grid); off, they take the
     # general row loop. Outputs of stream_above bytes or more whose rows are on the grid
     # stream by the direct path either way, and positions past the cache take the direct path
-    # either way (see launch_filled).
+    # either way (see launch_filled), except half-style rows of a 2-byte type with more rotary
+    # elements than a paired row holds (see cpu._chunks_hold).
     vector_rows: bool
 
     @classmethod
@@ -98,18 +99,20 @@ VECTOR_BYTES, _FORCED_WIDTH = _vector_bytes()
 
 
 def _compiled_features():
-    """The CPU features Numba compiles for: NUMBA_CPU_FEATURES where set, else the host's less
-    any NUMBA_ENABLE_AVX=0 turns off; none where NUMBA_CPU_NAME is set without features."""
-    if numba.config.CPU_FEATURES:
+    """The CPU features the kernels may rely on: NUMBA_CPU_FEATURES where set, else the host's
+    less any NUMBA_ENABLE_AVX=0 turns off (as Numba compiles for them), and none where
+    NUMBA_CPU_NAME is set without features (a named CPU, say for a portable cache, is taken to
+    have only what its name implies, which this does not look up)."""
+    if numba.config.CPU_FEATURES is not None:
         return numba.config.CPU_FEATURES.split(",")
     if numba.config.CPU_NAME:
         return []
     return codegen.get_host_cpu_features().split(",")
 
 
-# The vector steps that store bfloat16 results plainly round them with AVX512-BF16's
-# vcvtne2ps2bf16 (see _simd._bf16_two) where the steps are 64 bytes wide and Numba compiles for
-# a CPU that has it.
+# The vector steps that store bfloat16 results plainly, and paired rows (see PAIRED_ROWS) with
+# either kind of store, round them with AVX512-BF16's vcvtne2ps2bf16 (see _simd._bf16_two) where
+# the steps are 64 bytes wide and Numba compiles for a CPU that has it.
 BF16_INSTRUCTION = STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in _compiled_features()
 # The half style's rows with pair blocks off the 16-byte grid compute each pair once and place
 # the results with AVX-512's two-register permutes (see _simd.paired_row) where the steps are

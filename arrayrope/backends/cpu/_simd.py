@@ -774,6 +774,13 @@ def paired_row(nontemporal):
             h = builder.lshr(n_, kind(1))
             end = builder.mul(builder.udiv(builder.add(n_, kind(per - 1)), kind(per)), kind(per))
             blocks = builder.udiv(builder.add(h, kind(lanes - 1)), kind(lanes))
+            # the stack slots hold PAIRED_BLOCKS: the launcher gives no longer row (see
+            # cpu._chunks_hold), and one would get wrong results but write no slot past them
+            blocks = builder.select(
+                builder.icmp_unsigned("<=", blocks, kind(PAIRED_BLOCKS)),
+                blocks,
+                kind(PAIRED_BLOCKS),
+            )
             chunks = builder.udiv(builder.add(end, kind(lanes - 1)), kind(lanes))
 
             def ones(array_type):  # 1.0 in every lane, as the array's stored elements
