@@ -3,7 +3,7 @@
 The environment is read once, into one :class:`Config`; plans read it when they are built, and
 tests change it through :func:`override`, which also drops every plan built under the old one.
 The facts of the machine that code generation depends on (streaming stores, F16C, the vector
-width, AVX512-BF16) are constants of the process, not switches.
+width, AVX512-BF16, AVX512BW's permutes) are constants of the process, not switches.
 """
 
 import contextlib

@@ -147,7 +147,7 @@ def chunk_walk(half, widths, nontemporal):
             def paired_impl(x, xr, o, orow, n, cos, sin, t, inverse):
                 paired(x, xr, o, orow, n, cos, sin, t, inverse)
 
-            return variant(paired_impl, "paired", nontemporal)
+            return variant(paired_impl, "paired", widths, nontemporal)
 
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
             h = n // two
