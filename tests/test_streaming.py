@@ -207,7 +207,7 @@ def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, st
     # Pair blocks off the grid whose chunk walks take every step (for one dtype or another):
     # the widest, 32 and 16 bytes on each side of the edge h, the chunk across the edge, the
     # chunk across the rotary part's end, and one chunk holding both (16/6, 16/2). The half
-    # style's 2-byte rows with AVX-512 take _simd.paired_row: one block of pairs (up to 62),
+    # style's 2-byte rows with AVX-512 take _paired.paired_row: one block of pairs (up to 62),
     # several (202), as many as it holds (1022); one more (1030) takes the vector steps with
     # plain stores.
     if dtype == np.float16 and not _config.HARDWARE_F16:
@@ -579,7 +579,7 @@ def test_streaming_steps_store_with_streaming_stores_only():
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=str)
 @pytest.mark.parametrize("stream_above", [0, 1 << 62], ids=["streaming", "plain"])
 def test_half_rows_longer_than_a_paired_row_holds_take_another_path(dtype, stream_above):
-    # The half style's 2-byte rows with pair blocks off the grid take _simd.paired_row, which
+    # The half style's 2-byte rows with pair blocks off the grid take _paired.paired_row, which
     # holds up to 1024 rotary elements: longer ones take another path on both routes, rows from
     # the cache of cos/sin rows and rows made per position past it (positions to 2**30).
     if dtype == np.float16 and not _config.HARDWARE_F16:

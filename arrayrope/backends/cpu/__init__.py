@@ -285,7 +285,7 @@ def _rows_on_grid(operands):
 
 def _chunks_hold(spec, operands):
     """Whether the chunk walk takes these rows: all but the half style's 2-byte rows with more
-    rotary elements than _simd.paired_row holds, where it takes them (see
+    rotary elements than _paired.paired_row holds, where it takes them (see
     _ladder.takes_paired_row), which take the vector steps with plain stores instead."""
     item = operands[0][0].itemsize
     if not takes_paired_row(spec.half_style, item):

@@ -115,7 +115,7 @@ def _compiled_features():
 # the steps are 64 bytes wide and Numba compiles for a CPU that has it.
 BF16_INSTRUCTION = STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in _compiled_features()
 # The half style's rows with pair blocks off the 16-byte grid compute each pair once and place
-# the results with AVX-512's two-register permutes (see _simd.paired_row) where the steps are
+# the results with AVX-512's two-register permutes (see _paired.paired_row) where the steps are
 # 64 bytes wide and Numba compiles for AVX512BW.
 PAIRED_ROWS = STREAMING and VECTOR_BYTES == 64 and "+avx512bw" in _compiled_features()
 # Disk cache of compiled kernels. Off when the software float16 path or a vector width is

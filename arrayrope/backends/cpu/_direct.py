@@ -10,7 +10,7 @@ grid take the same steps with plain stores that assume no alignment (UNALIGNED: 
 Outputs whose rows are on that grid but whose pair blocks are not (rotary_dim 50 at d = 128,
 say), not in place, are written in chunks on the grid instead (CHUNKED, streaming, and
 CHUNKED_PLAIN): each chunk of a row computed whole in registers (see _ladder.chunk_walk and
-_simd.paired_row), so that even large outputs stream. Plain stores would first read every line
+_paired.paired_row), so that even large outputs stream. Plain stores would first read every line
 they write, a third more memory traffic.
 """
 

@@ -8,7 +8,7 @@ part must be a whole number of the narrowest step.
 
 A chunk walk (:func:`chunk_walk`) takes the same arguments for rows on the 16-byte grid whose
 pair blocks are not: it writes the row in chunks on the grid instead of pair blocks (the half
-style's 2-byte rows with AVX-512 through _simd.paired_row, which computes each pair once).
+style's 2-byte rows with AVX-512 through _paired.paired_row, which computes each pair once).
 """
 
 import numpy as np
@@ -16,7 +16,8 @@ from numba import types
 from numba.extending import overload
 
 from ._config import PAIRED_ROWS
-from ._simd import PAIRED_BLOCKS, chunk_step, paired_row, row_step
+from ._paired import PAIRED_BLOCKS, paired_row
+from ._simd import chunk_step, row_step
 
 
 def variant(fn, *parts):
@@ -89,12 +90,12 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
     return rotate
 
 
-# The rotary parts _simd.paired_row holds, in elements of a 2-byte type (see takes_paired_row)
+# The rotary parts _paired.paired_row holds, in elements of a 2-byte type (see takes_paired_row)
 PAIRED_ROTARY = 2 * PAIRED_BLOCKS * 32
 
 
 def takes_paired_row(half, item, rotary_dim=0):
-    """Whether the chunk walk's rows of ``item``-byte elements take _simd.paired_row, which
+    """Whether the chunk walk's rows of ``item``-byte elements take _paired.paired_row, which
     computes each pair once where the walk reads each element twice (as itself and as its
     partner): the half style's 2-byte types, where _config.PAIRED_ROWS (the wider types keep
     the walk, which writes their rows as fast). The launcher gives it rows whose
@@ -111,7 +112,7 @@ def chunk_walk(half, widths, nontemporal):
     where ``widths`` has it, then of 16; the 16 bytes across the pair blocks' edge h and the 16
     across the rotary part's end take masked loads (one chunk where both fall in the same 16
     bytes). In the half layout that is the walk 0..h, then h..n, then the end. Rows that
-    :func:`takes_paired_row` says take _simd.paired_row instead."""
+    :func:`takes_paired_row` says take _paired.paired_row instead."""
     wide, *mid, narrow = widths
     if narrow != 16 or mid not in ([], [32]):
         raise ValueError(f"a chunk walk takes widths (widest, [32,] 16), got {widths}")
