@@ -20,6 +20,8 @@ from ._simd import (
 
 # Pair blocks per row that paired_row holds (a row's h pairs in blocks of 64 bytes of o)
 PAIRED_BLOCKS = 16
+# Pair blocks whose results paired_row keeps in registers (more go to stack slots)
+REGISTER_BLOCKS = 2
 _PERMUTES = {16: "hi", 32: "d", 64: "q"}  # AVX-512's two-register permute by element bits
 
 
@@ -34,9 +36,10 @@ def paired_row(nontemporal):
     chunk of the row on the grid then takes its elements below h from the first-half block at
     its place, those from h to n from the two second-half blocks it spans, joined by one
     two-register permute whose index depends on h alone, and those past n from x; it is stored
-    in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of one
-    block keeps its results in registers; longer rows keep them in stack slots, written and
-    read whole (each load is served from the store before it)."""
+    in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of up
+    to REGISTER_BLOCKS blocks keeps its results in registers, each chunk picking its blocks by
+    selects; longer rows keep them in stack slots, written and read whole (each load is served
+    from the store before it)."""
 
     @intrinsic
     def row(typingctx, x, xr, o, orow, n, cos, sin, t, inverse):
@@ -146,17 +149,42 @@ def paired_row(nontemporal):
                     with builder.if_then(builder.icmp_unsigned("<", at, end), likely=True):
                         store_piece(p)
 
-            one_block = builder.icmp_unsigned("==", blocks, kind(1))
-            with builder.if_else(one_block, likely=True) as (single, general):
-                with single:  # h < lanes: at most two chunks
-                    own, second = block(kind(0))
-                    for k in range(2):
-                        k = kind(k)
-                        with builder.if_then(builder.icmp_unsigned("<", k, chunks), likely=True):
-                            first_slot = builder.icmp_unsigned("==", second_slot(k), kind(0))
-                            before = builder.select(first_slot, zero, second)
-                            after = builder.select(first_slot, second, zero)
-                            chunk(k, own, before, after)
+            held = builder.icmp_unsigned("<=", blocks, kind(REGISTER_BLOCKS))
+            with builder.if_else(held, likely=True) as (registers, general):
+                with registers:  # at most 2 * REGISTER_BLOCKS chunks
+                    lows, highs = [], []
+                    for b in range(REGISTER_BLOCKS):
+                        if b == 0:
+                            low, high = block(kind(0))
+                        else:  # zeros past the row's blocks
+                            skipped = builder.block
+                            with builder.if_then(
+                                builder.icmp_unsigned("<", kind(b), blocks), likely=True
+                            ):
+                                made = block(kind(b * lanes))
+                                made_in = builder.block
+                            low, high = builder.phi(bits), builder.phi(bits)
+                            for phi, value in zip((low, high), made):
+                                phi.add_incoming(value, made_in)
+                                phi.add_incoming(zero, skipped)
+                        lows.append(low)
+                        highs.append(high)
+                    seconds = [zero, *highs, zero]  # numbered as second_slot numbers them
+
+                    def pick(values, at):  # values[at], at a scalar below len(values)
+                        chosen = values[0]
+                        for i in range(1, len(values)):
+                            same = builder.icmp_unsigned("==", at, kind(i))
+                            chosen = builder.select(same, values[i], chosen)
+                        return chosen
+
+                    for k in range(2 * REGISTER_BLOCKS):
+                        with builder.if_then(
+                            builder.icmp_unsigned("<", kind(k), chunks), likely=True
+                        ):
+                            slot = second_slot(kind(k))
+                            own = lows[k] if k < REGISTER_BLOCKS else zero  # none below h
+                            chunk(kind(k), own, pick(seconds[:-1], slot), pick(seconds[1:], slot))
                 with general:
                     firsts = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS)
                     seconds = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS + 2)
