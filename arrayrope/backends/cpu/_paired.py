@@ -20,8 +20,6 @@ from ._simd import (
 
 # Pair blocks per row that paired_row holds (a row's h pairs in blocks of 64 bytes of o)
 PAIRED_BLOCKS = 16
-# Pair blocks whose results paired_row keeps in registers (more go to stack slots)
-REGISTER_BLOCKS = 2
 _PERMUTES = {16: "hi", 32: "d", 64: "q"}  # AVX-512's two-register permute by element bits
 
 
@@ -36,10 +34,9 @@ def paired_row(nontemporal):
     chunk of the row on the grid then takes its elements below h from the first-half block at
     its place, those from h to n from the two second-half blocks it spans, joined by one
     two-register permute whose index depends on h alone, and those past n from x; it is stored
-    in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of up
-    to REGISTER_BLOCKS blocks keeps its results in registers, each chunk picking its blocks by
-    selects; longer rows keep them in stack slots, written and read whole (each load is served
-    from the store before it)."""
+    in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of one
+    or two blocks keeps its results in registers; longer rows keep them in stack slots, written
+    and read whole (each load is served from the store before it)."""
 
     @intrinsic
     def row(typingctx, x, xr, o, orow, n, cos, sin, t, inverse):
@@ -149,61 +146,57 @@ def paired_row(nontemporal):
                     with builder.if_then(builder.icmp_unsigned("<", at, end), likely=True):
                         store_piece(p)
 
-            held = builder.icmp_unsigned("<=", blocks, kind(REGISTER_BLOCKS))
-            with builder.if_else(held, likely=True) as (registers, general):
-                with registers:  # at most 2 * REGISTER_BLOCKS chunks
-                    lows, highs = [], []
-                    for b in range(REGISTER_BLOCKS):
-                        if b == 0:
-                            low, high = block(kind(0))
-                        else:  # zeros past the row's blocks
-                            skipped = builder.block
-                            with builder.if_then(
-                                builder.icmp_unsigned("<", kind(b), blocks), likely=True
-                            ):
-                                made = block(kind(b * lanes))
-                                made_in = builder.block
-                            low, high = builder.phi(bits), builder.phi(bits)
-                            for phi, value in zip((low, high), made):
-                                phi.add_incoming(value, made_in)
-                                phi.add_incoming(zero, skipped)
-                        lows.append(low)
-                        highs.append(high)
-                    seconds = [zero, *highs, zero]  # numbered as second_slot numbers them
+            def pick(values, at):  # values[at], at a scalar below len(values)
+                chosen = values[0]
+                for i in range(1, len(values)):
+                    chosen = builder.select(
+                        builder.icmp_unsigned("==", at, kind(i)), values[i], chosen
+                    )
+                return chosen
 
-                    def pick(values, at):  # values[at], at a scalar below len(values)
-                        chosen = values[0]
-                        for i in range(1, len(values)):
-                            same = builder.icmp_unsigned("==", at, kind(i))
-                            chosen = builder.select(same, values[i], chosen)
-                        return chosen
+            def in_registers(count):
+                """The row of ``count`` blocks (at most 2 * count chunks), their results in
+                registers, each chunk picking its second-half blocks by selects."""
+                made = [block(kind(b * lanes)) for b in range(count)]
+                seconds = [zero, *(high for _, high in made), zero]  # as second_slot numbers
+                for k in range(2 * count):
+                    with builder.if_then(builder.icmp_unsigned("<", kind(k), chunks), likely=True):
+                        slot = second_slot(kind(k))
+                        own = made[k][0] if k < count else zero  # none of its lanes below h
+                        chunk(kind(k), own, pick(seconds[:-1], slot), pick(seconds[1:], slot))
 
-                    for k in range(2 * REGISTER_BLOCKS):
-                        with builder.if_then(
-                            builder.icmp_unsigned("<", kind(k), chunks), likely=True
-                        ):
-                            slot = second_slot(kind(k))
-                            own = lows[k] if k < REGISTER_BLOCKS else zero  # none below h
-                            chunk(kind(k), own, pick(seconds[:-1], slot), pick(seconds[1:], slot))
-                with general:
-                    firsts = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS)
-                    seconds = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS + 2)
-                    builder.store(zero, builder.gep(seconds, [kind(0)]))
-                    builder.store(zero, builder.gep(seconds, [builder.add(blocks, kind(1))]))
-                    with cgutils.for_range(builder, blocks) as loop:
-                        low, high = block(builder.mul(loop.index, kind(lanes)))
-                        builder.store(low, builder.gep(firsts, [loop.index]))
-                        slot = builder.add(loop.index, kind(1))
-                        builder.store(high, builder.gep(seconds, [slot]))
-                    last = builder.sub(blocks, kind(1))
-                    with cgutils.for_range(builder, chunks) as loop:
-                        k = loop.index
-                        mine = builder.select(builder.icmp_unsigned("<", k, last), k, last)
-                        own = builder.load(builder.gep(firsts, [mine]))
-                        slot = second_slot(k)
-                        before = builder.load(builder.gep(seconds, [slot]))
-                        after = builder.load(builder.gep(seconds, [builder.add(slot, kind(1))]))
-                        chunk(k, own, before, after)
+            def in_slots():
+                """The row of more blocks, their results in stack slots."""
+                firsts = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS)
+                seconds = cgutils.alloca_once(builder, bits, size=PAIRED_BLOCKS + 2)
+                builder.store(zero, builder.gep(seconds, [kind(0)]))
+                builder.store(zero, builder.gep(seconds, [builder.add(blocks, kind(1))]))
+                with cgutils.for_range(builder, blocks) as loop:
+                    low, high = block(builder.mul(loop.index, kind(lanes)))
+                    builder.store(low, builder.gep(firsts, [loop.index]))
+                    slot = builder.add(loop.index, kind(1))
+                    builder.store(high, builder.gep(seconds, [slot]))
+                last = builder.sub(blocks, kind(1))
+                with cgutils.for_range(builder, chunks) as loop:
+                    k = loop.index
+                    mine = builder.select(builder.icmp_unsigned("<", k, last), k, last)
+                    own = builder.load(builder.gep(firsts, [mine]))
+                    slot = second_slot(k)
+                    before = builder.load(builder.gep(seconds, [slot]))
+                    after = builder.load(builder.gep(seconds, [builder.add(slot, kind(1))]))
+                    chunk(k, own, before, after)
+
+            one_block = builder.icmp_unsigned("==", blocks, kind(1))
+            two_blocks = builder.icmp_unsigned("==", blocks, kind(2))
+            with builder.if_else(one_block, likely=True) as (single, more):
+                with single:
+                    in_registers(1)
+                with more:
+                    with builder.if_else(two_blocks, likely=True) as (double, general):
+                        with double:
+                            in_registers(2)
+                        with general:
+                            in_slots()
             return context.get_dummy_value()
 
         return types.void(x, xr, o, orow, n, cos, sin, t, inverse), codegen
