@@ -7,7 +7,9 @@ copy of the same bytes and against full rotary at the same head size, measured i
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
 fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in float32; the
 fractions at d = 128 in float16, bfloat16 and float64, and 1 and 0.4 at d = 96 in float16 and
-bfloat16 (38 of 96: pair blocks off the 16-byte grid); and at d = 128, rotary 1/2, the other
+bfloat16 (38 of 96: pair blocks off the 16-byte grid); rotary_dim 72 and 80 of 96 in the half
+style in float32, float16 and bfloat16 (in the 2-byte types, 36 pairs off the grid and 40 on
+it); and at d = 128, rotary 1/2, the other
 ways of storing results (a new result, in place, rotate_qk with a quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
@@ -73,6 +75,9 @@ def matrix(nbytes, repeats):
         for style in ("interleaved", "half"):
             cases.append((96, 96, style, dtype, "out="))
             cases.append((96, _rotary(96, 0.4), style, dtype, "out="))
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):  # rotary_dims off the fractions
+        for rotary_dim in (72, 80):
+            cases.append((96, rotary_dim, "half", dtype, "out="))
     for mode in ("new", "in place", "rotate_qk"):
         for style in ("interleaved", "half"):
             cases.append((128, 64, style, np.float32, mode))
