@@ -202,16 +202,8 @@ def test_rows_on_the_grid_write_what_the_general_loop_writes(
 @pytest.mark.parametrize(
     "d, rotary_dim",
     [
-        (128, 50),
-        (96, 38),
-        (80, 76),
-        (16, 6),
-        (16, 2),
-        (256, 150),
-        (512, 202),
-        (400, 330),
-        (1040, 1022),
-        (1040, 1030),
+        (128, 50), (96, 38), (80, 76), (16, 6), (16, 2), (256, 150), (512, 202), (400, 330),
+        (1040, 1022), (1040, 1030),
     ],  # fmt: skip
 )
 def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, style, d, rotary_dim):
@@ -605,35 +597,3 @@ def test_half_rows_longer_than_a_paired_row_holds_take_another_path(dtype, strea
             with _config.override(stream_above=stream_above, serial_below=1 << 62, small_below=0):
                 rope.rotate(x, pos, out=out)
             np.testing.assert_array_equal(bits(out), bits(want))
-
-
-@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=str)
-@pytest.mark.parametrize("d, rotary_dim", [(96, 80), (64, 16), (96, 96)])
-def test_streamed_float16_rows_with_a_tail_take_the_chunks(dtype, d, rotary_dim, monkeypatch):
-    # Streamed half-style float16 rows with a tail, pair blocks on the grid, take the chunks
-    # (paired rows) rather than the direct path, on both routes: rows from the cache of cos/sin
-    # rows and rows made per position past it. Full rotary and the other dtypes keep the direct
-    # path. Either way, the general loop's bits and the numpy backend's.
-    if not _config.STREAMING:
-        pytest.skip("streaming stores are used on x86-64 only")
-    if dtype == np.float16 and not _config.HARDWARE_F16:
-        pytest.skip("float16 takes the general loop where the CPU does not convert it")
-    chunks = dtype == np.float16 and rotary_dim < d and _config.PAIRED_ROWS
-    want = cpu.CHUNKED if chunks else cpu.DIRECT
-    rng = np.random.default_rng(11)
-    x = (rng.standard_normal((2, 3, 40, d)) * 3).astype(dtype)
-    rope = ar.RoPE(d, style="half", rotary_dim=rotary_dim)
-    buffer, out = _window(x.shape, dtype, 0, 0)
-    buffer[:] = np.nan
-    modes = []
-    pos = rng.integers(0, 5000, 40)
-    _assert_streams_plain_bits("serial", rope, x, pos, False, buffer, out, "streaming", modes)
-    assert modes == [want]
-    filled = []
-    choose = cpu._filled_stream
-    monkeypatch.setattr(cpu, "_filled_stream", lambda *a: filled.append(choose(*a)) or filled[-1])
-    far = rng.integers(2**30, 2**31, 40)
-    with _config.override(stream_above=0, serial_below=1 << 62, small_below=0):
-        got = rope.rotate(x, far)
-    assert filled == [want]
-    np.testing.assert_array_equal(bits(got), bits(rope.rotate(x, far, backend="numpy")))

@@ -126,8 +126,6 @@ def _filled_stream(spec, operands, segments, cos, sin):
         return 0
     large = _streams(operands)
     if direct_path(spec, operands, segments, cos, sin):
-        if large and _tails_in_chunks(spec, operands, segments, cos, sin):
-            return CHUNKED
         return DIRECT if large else VECTOR
     steps = vector_steps(spec, operands, segments, cos, sin)
     if steps and _rows_on_grid(operands) and _chunks_hold(spec, operands):
@@ -206,10 +204,7 @@ def _stream(spec, operands, segments, cos, sin):
     if not STREAMING:
         return 0
     large = _streams(operands)
-    direct = direct_path(spec, operands, segments, cos, sin)
-    if large and direct and _tails_in_chunks(spec, operands, segments, cos, sin):
-        return CHUNKED
-    if (large or _config.CONFIG.vector_rows) and direct:
+    if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
         return DIRECT if large else VECTOR
     steps = vector_steps(spec, operands, segments, cos, sin)
     chunks = _rows_on_grid(operands) and _chunks_hold(spec, operands)
@@ -286,21 +281,6 @@ def _rows_on_grid(operands):
         if any(s % 16 for n, s in zip(out.shape[:-1], out.strides[:-1]) if n > 1):
             return False
     return True
-
-
-def _tails_in_chunks(spec, operands, segments, cos, sin):
-    """Whether streamed rows that the direct path takes go in chunks instead: the half style's
-    float16 rows with a tail (rotary_dim below d) that _paired.paired_row holds, which stream
-    faster as paired rows, each chunk written whole in address order, than by the direct path's
-    half steps and tail copy (bench/shapes.py: rotary_dim 80 of 96). Full rotary, and the rows
-    of the other dtypes, stream faster by the direct path."""
-    x = operands[0][0]
-    if x.dtype != _F16 or not spec.half_style or spec.rotary_dim >= x.shape[-1]:
-        return False
-    if not takes_paired_row(True, x.itemsize, spec.rotary_dim):
-        return False
-    steps = vector_steps(spec, operands, segments, cos, sin)
-    return bool(steps) and _rows_on_grid(operands) and _chunks_hold(spec, operands)
 
 
 def _chunks_hold(spec, operands):

@@ -53,10 +53,9 @@ class Config:
     # the 16-byte grid take the direct path's vector loop with plain stores (those whose rows
     # are on the grid and pair blocks off it, in chunks on the grid); off, they take the
     # general row loop. Outputs of stream_above bytes or more whose rows are on the grid
-    # stream by the direct path either way (float16 half-style rows with a tail, in chunks:
-    # see cpu._tails_in_chunks), and positions past the cache take the direct path either way
-    # (see launch_filled), except half-style rows of a 2-byte type with more rotary elements
-    # than a paired row holds (see cpu._chunks_hold).
+    # stream by the direct path either way, and positions past the cache take the direct path
+    # either way (see launch_filled), except half-style rows of a 2-byte type with more rotary
+    # elements than a paired row holds (see cpu._chunks_hold).
     vector_rows: bool
 
     @classmethod
