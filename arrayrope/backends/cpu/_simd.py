@@ -90,11 +90,15 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
     ``align`` is what the address is known to have.
 
     A streaming store of 2-byte elements (float32 results narrowed to float16 or bfloat16 bits)
-    stores 16-byte pieces, each taken from a register that LLVM cannot see into (an empty
-    inline assembly statement; 16 bytes fit one on every x86-64): LLVM would otherwise fold the
-    narrowing and the store into one narrowing store (vpmovdw, vcvtps2ph to memory), which has
-    no streaming form, and drop the streaming mark. Plain stores into lines that streaming
-    stores write too make every such line a read and two partial writes."""
+    stores pieces of 32 bytes (16 where the vector is narrower), each taken from a register
+    that LLVM cannot see into (an empty inline assembly statement; a vector of 32 bytes or more
+    exists only where the CPU has AVX): LLVM would otherwise fold the narrowing and the store
+    into one narrowing store (vpmovdw, vcvtps2ph to memory), which has no streaming form, and
+    drop the streaming mark. Plain stores into lines that streaming stores write too make every
+    such line a read and two partial writes. (LLVM still writes each piece with 16-byte
+    streaming stores, as the alignment it knows allows; 16-byte pieces, each cut from a
+    vcvtps2ph result before the statement, made float16's streaming steps about half as
+    fast.)"""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.gep(data, [index])
     mark = builder.module.add_metadata([ir.IntType(32)(1)])
@@ -106,9 +110,10 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
             store.set_metadata("nontemporal", mark)
         return
     i32 = ir.IntType(32)
-    piece = ir.VectorType(kind.element, 8)
-    for first in range(0, kind.count, 8):
-        lanes = ir.Constant(ir.VectorType(i32, 8), [i32(first + k) for k in range(8)])
+    count = 16 if kind.count % 16 == 0 else 8
+    piece = ir.VectorType(kind.element, count)
+    for first in range(0, kind.count, count):
+        lanes = ir.Constant(ir.VectorType(i32, count), [i32(first + k) for k in range(count)])
         part = builder.shuffle_vector(value, value, lanes)
         part = builder.asm(ir.FunctionType(piece, [piece]), "", "=x,0", [part], side_effect=False)
         at = builder.bitcast(builder.gep(address, [i32(first)]), piece.as_pointer())
