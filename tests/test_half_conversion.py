@@ -252,9 +252,11 @@ def test_plain_bfloat16_steps_keep_subnormal_results(style, d, rotary_dim):
             _same(y.astype(np.float32), expected)
 
 
-def test_bfloat16_kernels_compile_where_numba_turns_avx_off():
+def test_2_byte_kernels_compile_where_numba_turns_avx_off():
     # NUMBA_ENABLE_AVX=0 takes every AVX feature from what Numba compiles for: the conversion
-    # instruction, whose operands need AVX-512 registers, must then stay out of the kernels.
+    # instruction, whose operands need AVX-512 registers, and the 32-byte pieces of streaming
+    # stores, which need AVX registers, must then stay out of the kernels (plain and streaming
+    # stores, float16 and bfloat16).
     import os
     import subprocess
     import sys
@@ -262,12 +264,14 @@ def test_bfloat16_kernels_compile_where_numba_turns_avx_off():
     code = (
         "import numpy as np, ml_dtypes, arrayrope as ar\n"
         "from arrayrope.backends.cpu import _config\n"
-        "assert not _config.BF16_INSTRUCTION\n"
-        "x = np.random.default_rng(0).standard_normal((1, 32, 64, 128))\n"
-        "x = x.astype(ml_dtypes.bfloat16)\n"
-        "want = ar.rotate(x, np.arange(64), backend='numpy')\n"
-        "got = ar.rotate(x, np.arange(64))\n"
-        "assert (got.view(np.uint16) == want.view(np.uint16)).all()\n"
+        "assert not _config.BF16_INSTRUCTION and not _config.WIDE_PIECES\n"
+        "for dtype in (ml_dtypes.bfloat16, np.float16):\n"
+        "    x = np.random.default_rng(0).standard_normal((1, 32, 64, 128)).astype(dtype)\n"
+        "    want = ar.rotate(x, np.arange(64), backend='numpy')\n"
+        "    for stream_above in (1 << 62, 0):\n"
+        "        with _config.override(stream_above=stream_above, small_below=0):\n"
+        "            got = ar.rotate(x, np.arange(64))\n"
+        "        assert (got.view(np.uint16) == want.view(np.uint16)).all()\n"
         "print('ok')\n"
     )
     env = dict(os.environ, NUMBA_ENABLE_AVX="0", ARRAYROPE_NUMBA_CACHE="0")

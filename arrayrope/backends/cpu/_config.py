@@ -118,6 +118,10 @@ BF16_INSTRUCTION = STREAMING and VECTOR_BYTES == 64 and "+avx512bf16" in _compil
 # the results with AVX-512's two-register permutes (see _paired.paired_row) where the steps are
 # 64 bytes wide and Numba compiles for AVX512BW.
 PAIRED_ROWS = STREAMING and VECTOR_BYTES == 64 and "+avx512bw" in _compiled_features()
+# Streaming stores of 2-byte results go in 32-byte pieces where Numba compiles for AVX (the
+# pieces pass through inline assembly, which then needs a 32-byte register), else in 16-byte
+# ones (see _simd._store_streaming).
+WIDE_PIECES = STREAMING and "+avx" in _compiled_features()
 # Disk cache of compiled kernels. Off when the software float16 path or a vector width is
 # forced: Numba's cache key does not see those switches, and would hand back kernels built for
 # the others.

@@ -22,7 +22,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from ._config import BF16_INSTRUCTION
+from ._config import BF16_INSTRUCTION, WIDE_PIECES
 
 # Streaming stores and their fence are x86 instructions.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -30,7 +30,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # bfloat16 in one instruction, half to even as _convert.f32_to_bf16_result does, but with
 # results below float32's smallest normal flushed to zero (see _bf16_two). LLVM emits it from
 # inline assembly only, which its JIT reads with the native assembly parser. Plain stores only:
-# a streaming store of 2-byte elements goes in 16-byte pieces (see _store_streaming), and a
+# a streaming store of 2-byte elements goes in pieces (see _store_streaming), and a
 # large streaming rotation is slower with the instruction than with the integer rounding.
 if BF16_INSTRUCTION:
     ll.initialize_native_asmparser()
@@ -90,15 +90,14 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
     ``align`` is what the address is known to have.
 
     A streaming store of 2-byte elements (float32 results narrowed to float16 or bfloat16 bits)
-    stores pieces of 32 bytes (16 where the vector is narrower), each taken from a register
-    that LLVM cannot see into (an empty inline assembly statement; a vector of 32 bytes or more
-    exists only where the CPU has AVX): LLVM would otherwise fold the narrowing and the store
+    stores pieces of 32 bytes where Numba compiles for AVX (_config.WIDE_PIECES) and the
+    vector holds them, else of 16, each taken from a register that LLVM cannot see into (an
+    empty inline assembly statement): LLVM would otherwise fold the narrowing and the store
     into one narrowing store (vpmovdw, vcvtps2ph to memory), which has no streaming form, and
     drop the streaming mark. Plain stores into lines that streaming stores write too make every
-    such line a read and two partial writes. (LLVM still writes each piece with 16-byte
-    streaming stores, as the alignment it knows allows; 16-byte pieces, each cut from a
-    vcvtps2ph result before the statement, made float16's streaming steps about half as
-    fast.)"""
+    such line a read and two partial writes. LLVM writes each piece with 16-byte streaming
+    stores, as the alignment it knows allows; 16-byte pieces, each cut from a vcvtps2ph result
+    before the statement, would run float16's streaming steps at about half the speed."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.gep(data, [index])
     mark = builder.module.add_metadata([ir.IntType(32)(1)])
@@ -110,7 +109,7 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
             store.set_metadata("nontemporal", mark)
         return
     i32 = ir.IntType(32)
-    count = 16 if kind.count % 16 == 0 else 8
+    count = 16 if WIDE_PIECES and kind.count % 16 == 0 else 8
     piece = ir.VectorType(kind.element, count)
     for first in range(0, kind.count, count):
         lanes = ir.Constant(ir.VectorType(i32, count), [i32(first + k) for k in range(count)])
@@ -274,7 +273,7 @@ def _narrow(builder, dtype, value, nontemporal=False):
         )
         return _bf16_two(builder, low, high)
     rounded = _bf16_round_lanes(builder, value)  # bfloat16 bits in each word's high half
-    if nontemporal:  # x86-64 stores it in 16-byte pieces (see _store_streaming): per vector
+    if nontemporal:  # x86-64 stores it in pieces (see _store_streaming): per vector
         return builder.trunc(
             builder.lshr(rounded, _splat(ir.IntType(32), lanes, 16)),
             ir.VectorType(ir.IntType(16), lanes),
