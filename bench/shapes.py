@@ -9,8 +9,8 @@ fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in f
 fractions at d = 128 in float16, bfloat16 and float64, and 1 and 0.4 at d = 96 in float16 and
 bfloat16 (38 of 96: pair blocks off the 16-byte grid); rotary_dim 72 and 80 of 96 in the half
 style in float32, float16 and bfloat16 (in the 2-byte types, 36 pairs off the grid and 40 on
-it); and at d = 128, rotary 1/2, the other
-ways of storing results (a new result, in place, rotate_qk with a quarter of the heads as k).
+it); and at d = 128, rotary 1/2, the other ways of storing results (a new result, in place,
+rotate_qk with a quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
 turns with it as the copies do.

@@ -97,7 +97,7 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
     drop the streaming mark. Plain stores into lines that streaming stores write too make every
     such line a read and two partial writes. LLVM writes each piece with 16-byte streaming
     stores, as the alignment it knows allows; 16-byte pieces, each cut from a vcvtps2ph result
-    before the statement, would run float16's streaming steps at about half the speed."""
+    before the statement, make float16's streaming steps much slower (bench/shapes.py)."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.gep(data, [index])
     mark = builder.module.add_metadata([ir.IntType(32)(1)])
