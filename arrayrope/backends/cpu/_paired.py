@@ -36,7 +36,9 @@ def paired_row(nontemporal):
     two-register permute whose index depends on h alone, and those past n from x; it is stored
     in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of one
     or two blocks keeps its results in registers; longer rows keep them in stack slots, written
-    and read whole (each load is served from the store before it)."""
+    and read whole (each load is served from the store before it). A block of at most half a
+    block's pairs (then the row's one chunk) is computed in vectors of half the width, at half
+    the arithmetic and conversions, which bound short rows even past the cache."""
 
     @intrinsic
     def row(typingctx, x, xr, o, orow, n, cos, sin, t, inverse):
@@ -64,32 +66,39 @@ def paired_row(nontemporal):
             )
             chunks = builder.udiv(builder.add(end, kind(lanes - 1)), kind(lanes))
 
-            def ones(array_type):  # 1.0 in every lane, as the array's stored elements
+            def ones(array_type, width):  # 1.0 in every lane, as the array's stored elements
                 one = {types.uint16: 0x3F80, types.int16: 0x3C00}.get(array_type.dtype)
                 if one is not None:
-                    return _splat(i16, lanes, one)
-                return _splat(context.get_value_type(array_type.dtype), lanes, 1.0)
+                    return _splat(i16, width, one)
+                return _splat(context.get_value_type(array_type.dtype), width, 1.0)
 
-            def read(which, array, index, inside, kept):
-                loaded = _load_bits(context, builder, tys[which], array, index, lanes, inside, kept)
+            def read(which, array, index, width, inside, kept):
+                loaded = _load_bits(context, builder, tys[which], array, index, width, inside, kept)
                 return _widen(builder, tys[which].dtype, loaded)
 
-            def block(j):
-                """The first- and second-half results of pairs j..j + lanes - 1, as bits. Lanes
-                past h read 1.0 (a sin of 0): their results are 1.0, never zeros, which would
-                send the bfloat16 rounding to its second pass (see _simd._bf16_two)."""
-                inside = _below(builder, j, h, lanes)
+            def block(j, width=lanes):
+                """The first- and second-half results of pairs j..j + width - 1, as bits (a
+                narrower block's lanes past width zeros). Lanes past h read 1.0 (a sin of 0):
+                their results are 1.0, never zeros, which would send the bfloat16 rounding to
+                its second pass (see _simd._bf16_two)."""
+                inside = _below(builder, j, h, width)
                 xj = builder.add(xr_, j)
-                a = read(0, x_, xj, inside, ones(tys[0]))
-                b = read(0, x_, builder.add(xj, h), inside, ones(tys[0]))
+                a = read(0, x_, xj, width, inside, ones(tys[0], width))
+                b = read(0, x_, builder.add(xj, h), width, inside, ones(tys[0], width))
                 at = builder.add(t_, j)
-                c = read(5, cos_, at, inside, ones(tys[5]))
-                s = _signed_sin(builder, read(6, sin_, at, inside, None), inverse_)
+                c = read(5, cos_, at, width, inside, ones(tys[5], width))
+                s = _signed_sin(builder, read(6, sin_, at, width, inside, None), inverse_)
                 low = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
                 high = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
-                return tuple(
-                    builder.bitcast(_narrow(builder, tys[2].dtype, v), bits) for v in (low, high)
-                )
+                results = []
+                for v in (low, high):
+                    narrowed = _narrow(builder, tys[2].dtype, v)
+                    if width < lanes:
+                        spread = ir.Constant(ir.VectorType(i32, lanes), [*range(lanes)])
+                        blank = ir.Constant(narrowed.type, None)
+                        narrowed = builder.shuffle_vector(narrowed, blank, spread)
+                    results.append(builder.bitcast(narrowed, bits))
+                return tuple(results)
 
             # lane l of the chunk at k lanes, from h on, is second-half element k lanes + l - h:
             # lane (l - h) mod lanes of second-half block k - h // lanes, or of the block before
@@ -154,12 +163,13 @@ def paired_row(nontemporal):
                     )
                 return chosen
 
-            def in_registers(count):
-                """The row of ``count`` blocks (at most 2 * count chunks), their results in
-                registers, each chunk picking its second-half blocks by selects."""
-                made = [block(kind(b * lanes)) for b in range(count)]
+            def in_registers(count, width=lanes):
+                """The row of ``count`` blocks of ``width`` lanes (at most 2 * count chunks, one
+                where the block is narrower), their results in registers, each chunk picking its
+                second-half blocks by selects."""
+                made = [block(kind(b * lanes), width) for b in range(count)]
                 seconds = [zero, *(high for _, high in made), zero]  # as second_slot numbers
-                for k in range(2 * count):
+                for k in range(2 * count if width == lanes else 1):
                     with builder.if_then(builder.icmp_unsigned("<", kind(k), chunks), likely=True):
                         slot = second_slot(kind(k))
                         own = made[k][0] if k < count else zero  # none of its lanes below h
@@ -190,7 +200,12 @@ def paired_row(nontemporal):
             two_blocks = builder.icmp_unsigned("==", blocks, kind(2))
             with builder.if_else(one_block, likely=True) as (single, more):
                 with single:
-                    in_registers(1)
+                    narrow = builder.icmp_unsigned("<=", h, kind(lanes // 2))
+                    with builder.if_else(narrow) as (short, full):
+                        with short:
+                            in_registers(1, lanes // 2)
+                        with full:
+                            in_registers(1)
                 with more:
                     with builder.if_else(two_blocks, likely=True) as (double, general):
                         with double:
