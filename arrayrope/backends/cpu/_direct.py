@@ -24,13 +24,6 @@ from ._ladder import chunk_walk, ladder, variant
 from ._runs import run_start
 from ._simd import address, copy_bytes, copy_element, store_fence
 
-# Rows per block in the direct path where rows have a tail: a block's tails are copied after
-# its rows are rotated. One: each row's tail right after its rotated part, so that x and o are
-# read and written in address order. Over a larger block the rotated parts skip lines that the
-# tails come back for, which the memory system serves poorly out of cache, and a line split
-# between a rotated part and its tail leaves the write-combining buffer before it is whole.
-_TAIL_BLOCK_ROWS = 1
-
 # Bytes per step of the tail copy while a row's tail has that many left (then 16)
 _TAIL_STEP_BYTES = 64
 
@@ -90,6 +83,33 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
+    def copy_tail(x, xr, o, orow, start, end):
+        """Copy elements start..end-1 of the row of x at ``xr`` to the row of o at ``orow``.
+        Compiled once per signature and inlined by LLVM, as the ladders are (inlined in Numba's
+        IR, its loops make Numba warn of variables out of scope)."""
+
+    @overload(copy_tail)
+    def copy_tail_impl(x, xr, o, orow, start, end):
+        item = o.dtype.bitwidth // 8
+        step, step_16, one = (np.uint64(w // item) for w in (_TAIL_STEP_BYTES, 16, item))
+
+        def impl(x, xr, o, orow, start, end):
+            # unsigned while loops: LLVM keeps a range with a runtime step here as a loop that
+            # spills its registers
+            t = start
+            while t + step <= end:
+                copy_step(x, xr + t, o, orow + t)
+                t += step
+            while t + step_16 <= end:
+                copy_16(x, xr + t, o, orow + t)
+                t += step_16
+            if not aligned:
+                while t < end:
+                    copy_element(x, xr + t, o, orow + t)
+                    t += one
+
+        return variant(impl, "tail", nontemporal, aligned)
+
     def direct_runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
         """Rows first..stop-1 of one operand straight to o, rotated in vector registers."""
 
@@ -126,10 +146,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # function: a helper compiled on its own would take its arrays, and table rows taken as
         # views (cos[p]), with reference-count calls per row. The table row starts at the flat
         # offset tb (cos and sin alike). One loop per layout (with the layout test inside the
-        # row loop, LLVM keeps the loop's registers on the stack), and the tails copied in a
-        # loop of their own per block of rows (see _TAIL_BLOCK_ROWS). The loop over runs is in
-        # the same function: a function Numba compiles on its own is optimized and emitted by
-        # LLVM once more in each caller's library.
+        # row loop, LLVM keeps the loop's registers on the stack). A row's tail is copied right
+        # after its rotated part, in the same iteration: x and o are then read and written in
+        # address order, and a line split between a rotated part and its tail leaves the
+        # write-combining buffer whole. (Over a block of rows, the rotated parts skip lines that
+        # the tails come back for, which the memory system serves poorly out of cache; two
+        # inner loops of one row each make short rows markedly slower.) The loop over runs is
+        # in the same function: a function Numba compiles on its own is optimized and emitted
+        # by LLVM once more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
@@ -144,6 +168,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             n = np.uint64(rotary_dim)
             # where the tail's copy starts (chunked: past the walk's last chunk, on the grid)
             tail_at = (n + per - np.uint64(1)) // per * per if chunked else n
+            end = np.uint64(width)
+            tails = width > rotary_dim
             held, held_rows = np.int64(-1), np.int64(0)  # the chunk ``source`` holds
             row_at = first
             while row_at < stop:
@@ -155,40 +181,20 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                     c1 = min(c0 + chunk, run)
                     at = pb + c0 * sp + axis
                     held, held_rows = fill_chunk(source, idx, at, sp, c1 - c0, held, held_rows)
-                    block = max(c1 - c0, 1) if width == rotary_dim else _TAIL_BLOCK_ROWS
-                    for lo in range(c0, c1, block):
-                        hi = min(lo + block, c1)
-                        if half:
-                            for r in range(lo, hi):
-                                tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
-                                xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
-                                half_row(x, xr, o, orow, n, cos, sin, tb, inv)
-                        else:
-                            for r in range(lo, hi):
-                                tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
-                                xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
-                                pair_row(x, xr, o, orow, n, cos, sin, tb, inv)
-                        if width > rotary_dim:
-                            # unsigned while loops: LLVM keeps a range with a runtime step here
-                            # as a loop that spills its registers
-                            step = np.uint64(_TAIL_STEP_BYTES // o.itemsize)
-                            step_16 = np.uint64(16 // o.itemsize)
-                            one = np.uint64(1)
-                            end = np.uint64(width)
-                            for r in range(lo, hi):
-                                xr = np.uint64(xb + r * sx)
-                                orow = np.uint64(ob + r * so)
-                                t = tail_at
-                                while t + step <= end:
-                                    copy_step(x, xr + t, o, orow + t)
-                                    t += step
-                                while t + step_16 <= end:
-                                    copy_16(x, xr + t, o, orow + t)
-                                    t += step_16
-                                if not aligned:
-                                    while t < end:
-                                        copy_element(x, xr + t, o, orow + t)
-                                        t += one
+                    if half:
+                        for r in range(c0, c1):
+                            tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
+                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                            half_row(x, xr, o, orow, n, cos, sin, tb, inv)
+                            if tails:
+                                copy_tail(x, xr, o, orow, tail_at, end)
+                    else:
+                        for r in range(c0, c1):
+                            tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
+                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                            pair_row(x, xr, o, orow, n, cos, sin, tb, inv)
+                            if tails:
+                                copy_tail(x, xr, o, orow, tail_at, end)
             if nontemporal:
                 store_fence()
 
