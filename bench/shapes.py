@@ -5,12 +5,13 @@ copy of the same bytes and against full rotary at the same head size, measured i
     python bench/shapes.py --quick   # fewer repeats
 
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
-fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even) and style, in float32; the
-fractions at d = 128 in float16, bfloat16 and float64, and 1 and 0.4 at d = 96 in float16 and
-bfloat16 (38 of 96: pair blocks off the 16-byte grid); rotary_dim 72 and 80 of 96 in the half
-style in float32, float16 and bfloat16 (in the 2-byte types, 36 pairs off the grid and 40 on
-it); and at d = 128, rotary 1/2, the other ways of storing results (a new result, in place,
-rotate_qk with a quarter of the heads as k).
+fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even), style and dtype (float32,
+float16, bfloat16, float64; the 2-byte types' half style has its pair blocks off the 16-byte
+grid at 24 of 64, 20 and 40 of 80, 24 and 38 of 96, 50 of 128 and 102 of 256, the last two
+blocks of a paired row); rotary_dim 72 and 80 of 96 in the half style in float32, float16 and
+bfloat16 (in the 2-byte types, 36 pairs off the grid, two blocks, and 40 on it); and at d =
+128, rotary 1/2, the other ways of storing results (a new result, in place, rotate_qk with a
+quarter of the heads as k).
 "of copy" is the op's speed over the copy's; "vs full" is its time per byte over full
 rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
 turns with it as the copies do.
@@ -63,18 +64,11 @@ def matrix(nbytes, repeats):
             dst[i] = src[i]
 
     cases = []
-    for d in HEAD_SIZES:
-        for fraction in FRACTIONS:
-            for style in ("interleaved", "half"):
-                cases.append((d, _rotary(d, fraction), style, np.float32, "out="))
-    for dtype in (np.float16, ml_dtypes.bfloat16, np.float64):
-        for fraction in FRACTIONS:
-            for style in ("interleaved", "half"):
-                cases.append((128, _rotary(128, fraction), style, dtype, "out="))
-    for dtype in (np.float16, ml_dtypes.bfloat16):  # d = 96 at 0.4: pair blocks off the grid
-        for style in ("interleaved", "half"):
-            cases.append((96, 96, style, dtype, "out="))
-            cases.append((96, _rotary(96, 0.4), style, dtype, "out="))
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64):
+        for d in HEAD_SIZES:
+            for fraction in FRACTIONS:
+                for style in ("interleaved", "half"):
+                    cases.append((d, _rotary(d, fraction), style, dtype, "out="))
     for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):  # rotary_dims off the fractions
         for rotary_dim in (72, 80):
             cases.append((96, rotary_dim, "half", dtype, "out="))
