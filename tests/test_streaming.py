@@ -207,6 +207,8 @@ def test_rows_on_the_grid_write_what_the_general_loop_writes(
         (64, 30),
         (80, 34),
         (80, 76),
+        (128, 94),
+        (112, 98),
         (128, 100),
         (16, 6),
         (16, 2),
@@ -221,11 +223,11 @@ def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, st
     # Pair blocks off the grid whose chunk walks take every step (for one dtype or another):
     # the widest, 32 and 16 bytes on each side of the edge h, the chunk across the edge, the
     # chunk across the rotary part's end, and one chunk holding both (16/6, 16/2). The half
-    # style's 2-byte rows with AVX-512 take _paired.paired_row: one block of pairs of 16 lanes
-    # (rotary_dim up to 30: 30, 6, 2) or of 32 (up to 62: 34, 38, 50) and two blocks (76,
-    # 100: three chunks and four) in registers, three (150), four (202), six (330) and as many
-    # as it holds (1022) in stack slots; one more (1030) takes the vector steps with plain
-    # stores.
+    # style's 2-byte rows with AVX-512 take _paired.paired_row: in registers, one block of
+    # pairs of 16 lanes (rotary_dim up to 30: 30, 6, 2) or of 32 (up to 62: 34, 38, 50), and two
+    # blocks, the second of 16 lanes (up to 94: 76, three chunks; 94) or 32 (98; 100, four
+    # chunks); in stack slots, three (150), four (202), six (330) and as many as it holds
+    # (1022); one more (1030) takes the vector steps with plain stores.
     if dtype == np.float16 and not _config.HARDWARE_F16:
         pytest.skip("float16 takes the general loop where the CPU does not convert it")
     rng = np.random.default_rng()

@@ -36,9 +36,9 @@ def paired_row(nontemporal):
     two-register permute whose index depends on h alone, and those past n from x; it is stored
     in 16-byte pieces up to the boundary (streaming stores where ``nontemporal``). A row of one
     or two blocks keeps its results in registers; longer rows keep them in stack slots, written
-    and read whole (each load is served from the store before it). A block of at most half a
-    block's pairs (then the row's one chunk) is computed in vectors of half the width, at half
-    the arithmetic and conversions, which bound short rows even past the cache."""
+    and read whole (each load is served from the store before it). In registers, a last block
+    of at most half a block's pairs is computed in vectors of half the width, at half the
+    arithmetic and conversions, which bound short rows even past the cache."""
 
     @intrinsic
     def row(typingctx, x, xr, o, orow, n, cos, sin, t, inverse):
@@ -163,13 +163,16 @@ def paired_row(nontemporal):
                     )
                 return chosen
 
-            def in_registers(count, width=lanes):
-                """The row of ``count`` blocks of ``width`` lanes (at most 2 * count chunks, one
-                where the block is narrower), their results in registers, each chunk picking its
-                second-half blocks by selects."""
-                made = [block(kind(b * lanes), width) for b in range(count)]
+            def in_registers(count, last=lanes):
+                """The row of ``count`` blocks, the last of ``last`` lanes, the others whole (at
+                most as many chunks as their pairs fill twice), their results in registers, each
+                chunk picking its second-half blocks by selects."""
+                made = [
+                    block(kind(b * lanes), last if b == count - 1 else lanes) for b in range(count)
+                ]
                 seconds = [zero, *(high for _, high in made), zero]  # as second_slot numbers
-                for k in range(2 * count if width == lanes else 1):
+                pairs = (count - 1) * lanes + last
+                for k in range((2 * pairs + lanes - 1) // lanes):
                     with builder.if_then(builder.icmp_unsigned("<", kind(k), chunks), likely=True):
                         slot = second_slot(kind(k))
                         own = made[k][0] if k < count else zero  # none of its lanes below h
@@ -209,7 +212,12 @@ def paired_row(nontemporal):
                 with more:
                     with builder.if_else(two_blocks, likely=True) as (double, general):
                         with double:
-                            in_registers(2)
+                            narrow = builder.icmp_unsigned("<=", h, kind(lanes + lanes // 2))
+                            with builder.if_else(narrow) as (short, full):
+                                with short:
+                                    in_registers(2, lanes // 2)
+                                with full:
+                                    in_registers(2)
                         with general:
                             in_slots()
             return context.get_dummy_value()
