@@ -90,15 +90,30 @@ def paired_row(nontemporal):
                 s = _signed_sin(builder, read(6, sin_, at, width, inside, None), inverse_)
                 low = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
                 high = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
-                results = []
-                for v in (low, high):
-                    narrowed = _narrow(builder, tys[2].dtype, v)
-                    if width < lanes:
-                        spread = ir.Constant(ir.VectorType(i32, lanes), [*range(lanes)])
-                        blank = ir.Constant(narrowed.type, None)
-                        narrowed = builder.shuffle_vector(narrowed, blank, spread)
-                    results.append(builder.bitcast(narrowed, bits))
-                return tuple(results)
+                if width == lanes:
+                    return tuple(
+                        builder.bitcast(_narrow(builder, tys[2].dtype, v), bits)
+                        for v in (low, high)
+                    )
+                # a narrower block's two halves rounded as one vector of lanes (one conversion
+                # instruction where there is one), then taken apart
+                every = ir.Constant(ir.VectorType(i32, lanes), [*range(lanes)])
+                narrowed = _narrow(builder, tys[2].dtype, builder.shuffle_vector(low, high, every))
+                blank = ir.Constant(narrowed.type, None)
+                return tuple(
+                    builder.bitcast(
+                        builder.shuffle_vector(
+                            narrowed,
+                            blank,
+                            ir.Constant(
+                                ir.VectorType(i32, lanes),
+                                [*range(first, first + width), *range(lanes, lanes + width)],
+                            ),
+                        ),
+                        bits,
+                    )
+                    for first in (0, width)
+                )
 
             # lane l of the chunk at k lanes, from h on, is second-half element k lanes + l - h:
             # lane (l - h) mod lanes of second-half block k - h // lanes, or of the block before
