@@ -7,8 +7,8 @@ copy of the same bytes and against full rotary at the same head size, measured i
 Rows: ``rope.rotate(x, out=o)`` for every head size d in {64, 80, 96, 128, 256}, rotary
 fraction in {1, 1/2, 0.4, 1/4} (rotary_dim rounded down to even), style and dtype (float32,
 float16, bfloat16, float64; the 2-byte types' half style has its pair blocks off the 16-byte
-grid at 24 of 64, 20 and 40 of 80, 24 and 38 of 96, 50 of 128 and 102 of 256, the last two
-blocks of a paired row); rotary_dim 72 and 80 of 96 in the half style in float32, float16 and
+grid at 24 of 64, 20 and 40 of 80, 24 and 38 of 96, 50 of 128 and 102 of 256 (two pair
+blocks)); rotary_dim 72 and 80 of 96 in the half style in float32, float16 and
 bfloat16 (in the 2-byte types, 36 pairs off the grid, two blocks, and 40 on it); and at d =
 128, rotary 1/2, the other ways of storing results (a new result, in place, rotate_qk with a
 quarter of the heads as k).
