@@ -42,10 +42,11 @@ def _rotary(d, fraction):
 
 
 def sizes():
-    """{name: bytes of x}: past the last-level cache and inside it."""
-    from arrayrope.backends.cpu._config import _last_level_cache
+    """{name: bytes of x}: past the last-level cache and inside it (the share of it this process
+    counts on: see arrayrope.backends.cpu._config._cache_share)."""
+    from arrayrope.backends.cpu._config import _cache_share
 
-    cache = _last_level_cache()
+    cache = _cache_share()
     return {"past the cache": 2 * cache, "in cache": cache // 8}
 
 

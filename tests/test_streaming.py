@@ -412,6 +412,23 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
         assert modes == [0] * 6
 
 
+@pytest.mark.parametrize(
+    "cache, cpus, share",
+    [(480 << 20, 2, 32 << 20), (32 << 20, 2, 32 << 20), (256 << 20, 64, 256 << 20)],
+    ids=["vm-reporting-its-socket", "whole-cache", "many-cpus"],
+)
+def test_streaming_starts_at_half_the_cache_share(monkeypatch, cache, cpus, share):
+    monkeypatch.setattr(_config, "_last_level_cache", lambda: cache)
+    monkeypatch.setattr(
+        _config.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False
+    )
+    monkeypatch.delenv("ARRAYROPE_STREAM_ABOVE", raising=False)
+    assert _config._cache_share() == share
+    assert _config.Config.from_environment().stream_above == share // 2
+    monkeypatch.setenv("ARRAYROPE_STREAM_ABOVE", "12345")
+    assert _config.Config.from_environment().stream_above == 12345
+
+
 def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config, rng):
     # The direct path's plain-store kernel takes x itself in place (its steps load a block before
     # they store it): an in-place call compiles nothing an out= call has not, no signature of it
