@@ -306,8 +306,6 @@ def rotate_into_cache(
         Bad input, named in the message with its value: shapes, dtypes, a layout, slots out
         of range or used twice, arrays that share memory. Nothing is written.
     """
-    from .backends import cpu
-
     plain = q_norm is None and k_norm is None and k_scale is None and v_scale is None
     plain = plain and seq_len is None and norm_eps is EPS
     spec = self._spec
@@ -362,6 +360,8 @@ def rotate_into_cache(
         _on_device(self, q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block,
                    cache_layout, q_weight, k_weight, numbers)  # fmt: skip
         return out
+    from .backends import cpu
+
     cpu.launch_fused(
         q, out, k, v, k_cache, v_cache, slots, rows, cos, sin, block, cache_layout, spec,
         q_weight, k_weight, numbers,

@@ -12,6 +12,7 @@ from ._positions import defaults
 
 EPS = 1e-6  # norm_eps's default: a call that leaves it may take the short way
 _NDARRAY = np.ndarray
+_INT64 = np.dtype(np.int64)
 
 
 def _writeable_bit():
@@ -34,21 +35,33 @@ def no_weight(dtype):
 def step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout):
     """The key of a decode step's layouts and of what the launch takes from its RoPE (the
     rotary part and style): NumPy arrays, and int64 positions and slots, one per token. None
-    for any other call."""
+    for any other call. One flat tuple, written out: a decode step pays for its making and
+    its lookup. The last entry holds the flags of q, k, v, the caches, pos and slots."""
     if not (type(q) is type(k) is type(v) is type(k_cache) is type(v_cache) is _NDARRAY):
         return None
-    if type(pos) is not _NDARRAY or type(slots) is not _NDARRAY or pos.dtype != np.int64:
+    if type(pos) is not _NDARRAY or type(slots) is not _NDARRAY or type(cache_layout) is not str:
         return None
-    if type(out) is not _NDARRAY and out is not None or slots.dtype != np.int64:
+    if pos.dtype != _INT64 or slots.dtype != _INT64:
         return None
-    if type(cache_layout) is not str or pos.shape != slots.shape or slots.shape != q.shape[:1]:
+    tokens = q.shape[:1]
+    if pos.shape != tokens or slots.shape != tokens:
         return None  # (positions the general way broadcasts: their rows are not the tokens')
-    layouts = tuple(
-        (a.shape, a.strides, a.dtype, a.flags.num)
-        for a in (q, k, v, k_cache, v_cache, pos, slots)
+    if out is None:
+        out_layout = None
+    elif type(out) is _NDARRAY:
+        out_layout = (out.shape, out.strides, out.dtype, out.flags.num)
+    else:
+        return None
+    flags = (
+        q.flags.num, k.flags.num, v.flags.num, k_cache.flags.num, v_cache.flags.num,
+        pos.flags.num, slots.flags.num,
     )  # fmt: skip
-    out_layout = None if out is None else (out.shape, out.strides, out.dtype, out.flags.num)
-    return (spec.rotary_dim, spec.half_style, cache_layout, out_layout, layouts)
+    return (
+        spec.rotary_dim, spec.half_style, cache_layout, out_layout,
+        q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+        k_cache.shape, k_cache.strides, k_cache.dtype,
+        v_cache.shape, v_cache.strides, v_cache.dtype, pos.strides, slots.strides, flags,
+    )  # fmt: skip
 
 
 _steps = Bounded(256)  # cache: what a decode step's layouts settle, by step_key
@@ -75,7 +88,7 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
     found = None if key is None else _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
-    settings, threaded, dtype, bits, read_only = found
+    settings, threaded, dtype, bits, read_only, launch = found
     freqs = rope._engine.freq_set(None).tables
     long_context = dtype in freqs.past_the_cap
     if long_context:
@@ -87,19 +100,17 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
         if tables is None:  # a loop that starts past the cache: the cache's first rows, once
             tables = freqs.cached(np, None, dtype, 0)
         rows = (pos, tables[0], tables[1])
-    from .backends.cpu import _fused_launch
-
     if out is None:
         out = np.empty(q.shape, q.dtype)
     arrays = (q, out, k, v, k_cache, v_cache)
     if bits:
-        arrays = tuple(_fused_launch.bits_view(a) for a in arrays)
+        arrays = tuple(launch.bits_view(a) for a in arrays)
     weight = no_weight(dtype)
     args = (*arrays, slots, *rows, weight, weight, _plain_numbers(dtype), settings)
     if read_only:
-        args = tuple(_fused_launch.writable(a) for a in args)
-    status = _fused_launch.run(args, q.shape[0], threaded)
-    if status == _fused_launch.PAST_THE_TABLE and not long_context:
+        args = tuple(launch.writable(a) for a in args)
+    status = launch.run(args, q.shape[0], threaded)
+    if status == launch.PAST_THE_TABLE and not long_context:
         found = _past_the_table(freqs, dtype, pos)
         if found is None:
             return None
@@ -107,8 +118,8 @@ def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=Non
         if made:  # past the cap: the next steps make their rows first
             freqs.past_the_cap.add(dtype)
         if read_only:
-            rows = tuple(_fused_launch.writable(a) for a in rows)
-        status = _fused_launch.run(args[:7] + rows + args[10:], q.shape[0], threaded)
+            rows = tuple(launch.writable(a) for a in rows)
+        status = launch.run(args[:7] + rows + args[10:], q.shape[0], threaded)
     return None if status else out
 
 
@@ -153,5 +164,7 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     bits = _fused_launch.bits_of(q.dtype) is not None
     # whether an operand is read-only, from the key's flags: the launch takes such operands
     # through writable aliases (see _fused_launch.writable), made here at no cost to the rest
-    read_only = any(not flags & _WRITEABLE for *_, flags in key[-1])
-    _steps.put(key, (settings, _fused_launch.parallel(q, k), cos.dtype, bits, read_only))
+    read_only = any(not flags & _WRITEABLE for flags in key[-1])
+    # the launch module kept with them: an import statement would cost every step its lookup
+    threaded = _fused_launch.parallel(q, k)
+    _steps.put(key, (settings, threaded, cos.dtype, bits, read_only, _fused_launch))
