@@ -74,18 +74,16 @@ def _plain_numbers(dtype):
     return np.array((EPS, 1.0, 1.0), dtype)
 
 
-def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key=None):
+def step(rope, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout, key):
     """A decode loop's call, whose layouts an earlier call has checked (see remember): what
     depends on the call alone (slots, positions within the launch's rows, no array written
     into another's memory) is checked in the compiled launch. The launch reads the cached
     table, or, once steps of this table and dtype have gone past its cap (a long context),
-    rows made for the call. ``key``: the call's step_key, where the caller has it. Returns the
+    rows made for the step's positions. ``key``: the call's step_key (not None). Returns the
     result, or None with nothing written where the general way must take the call (which
     names what is wrong)."""
     spec = rope._spec
-    if key is None:
-        key = step_key(spec, q, k, v, pos, k_cache, v_cache, slots, out, cache_layout)
-    found = None if key is None else _steps.get(key)
+    found = _steps.get(key)
     if found is None or spec.dynamic or spec.n_axes != 1 or q.shape[-1] != spec.head_dim:
         return None  # (the layouts were checked for a RoPE of this head size and kind)
     settings, threaded, dtype, bits, read_only, launch = found
@@ -140,10 +138,10 @@ def _past_the_table(freqs, dtype, pos):
 
 
 def _made_rows(freqs, dtype, pos):
-    """(table rows, cos, sin) of the launch with each token's row made for the call from the
-    level tables, the values the cached table holds at any position; None for a position
-    outside [0, 2**31)."""
-    made = freqs.integer_rows(dtype, pos.reshape(-1, 1))
+    """(table rows, cos, sin) of the launch with each token's row made from the level tables,
+    the values the cached table holds at any position, once per step (see
+    CosSinTables.step_rows); None for a position outside [0, 2**31)."""
+    made = freqs.step_rows(dtype, pos)
     if made is None:
         return None
     return defaults(pos.shape[0]).reshape(-1), made[0], made[1]
@@ -162,8 +160,9 @@ def remember(key, spec, arrays, block, layout, cos, sin):
     vector |= _fused_launch.large_step_bits(q, k, v)
     settings = _fused_launch.settings(spec, block, layout, vector, True)
     bits = _fused_launch.bits_of(q.dtype) is not None
-    # whether an operand is read-only, from the key's flags: the launch takes such operands
-    # through writable aliases (see _fused_launch.writable), made here at no cost to the rest
+    # whether an operand is read-only, from the key's flags (its last entry: see step_key): the
+    # launch takes such operands through writable aliases (see _fused_launch.writable), made
+    # here at no cost to the rest
     read_only = any(not flags & _WRITEABLE for flags in key[-1])
     # the launch module kept with them: an import statement would cost every step its lookup
     threaded = _fused_launch.parallel(q, k)

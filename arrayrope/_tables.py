@@ -33,6 +33,9 @@ _MIN_ROWS = 256
 # Per-call rows from the level tables are filled on Numba's threads from this many pairs (rows
 # times pairs): fewer cost less than a parallel launch.
 PARALLEL_PAIRS = 1 << 15
+# A decode step's rows past the cap (see step_rows) are kept for steps of at most this many
+# tokens: a prefill's would hold megabytes for a call that is not repeated.
+STEP_ROWS_KEPT = 256
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -130,6 +133,7 @@ class CosSinTables:
         # dtypes whose decode steps have gone past the cap: their next steps make their rows
         # (integer_rows) before the launch (see _kv_step.step); only ever added to
         self.past_the_cap = set()
+        self._step_rows = {}  # dtype -> (positions' bytes, rows): see step_rows
 
     def _cap(self, itemsize):
         if self.max_rows is not None:
@@ -193,6 +197,20 @@ class CosSinTables:
         else:
             valid = _angles.fill_rows(positions, *found, self.scale, out)
         return out if valid else None
+
+    def step_rows(self, dtype, positions):
+        """:meth:`integer_rows` of a step's int64 ``positions``, shape (N,), keeping the last
+        step's rows per dtype where N is at most STEP_ROWS_KEPT: every layer of a decode step
+        rotates at the same positions, and the layers after the first take the kept rows (never
+        written; replaced whole, so threads read either step's)."""
+        key = positions.tobytes()
+        held = self._step_rows.get(dtype)
+        if held is not None and held[0] == key:
+            return held[1]
+        rows = self.integer_rows(dtype, positions.reshape(-1, 1))
+        if rows is not None and positions.shape[0] <= STEP_ROWS_KEPT:
+            self._step_rows[dtype] = (key, rows)
+        return rows
 
     def _column(self, dtype, first, rows):
         """The rows of positions first..first+rows-1 (checked by the caller) of a one-axis

@@ -540,6 +540,42 @@ def test_out_at_qs_address_reached_another_way_is_in_place(alias, rng):
     assert np.isnan(big[size:]).all()
 
 
+def test_the_layers_of_a_step_past_the_cap_make_its_rows_once(monkeypatch, rng):
+    # a decode step's layers rotate at one step's positions: past the cap, the rows made for a
+    # step serve its other layers and the next step at the same positions; new positions (in
+    # the same array too) make new rows
+    rope = ar.RoPE(16, style="half", max_positions=64)
+    n, hq, hkv, d = 4, 3, 2, 16
+    k_cache, v_cache = _caches(rng, 4, 4, hkv, d, np.float32, "NHD")
+    tables = rope._engine.freq_set(None).tables
+    made = []  # per step, how many times rotate_into_cache made rows
+    integer_rows = tables.integer_rows
+    counting = [False]
+
+    def counted(*args):
+        made[-1] += counting[0]
+        return integer_rows(*args)
+
+    monkeypatch.setattr(tables, "integer_rows", counted)
+    pos = rng.integers(64, 2**31, n)
+    for step in range(3):
+        made.append(0)
+        if step == 2:
+            pos[1] += 1  # the same array, another position
+        for _layer in range(3):
+            q, k, v = _qkv(rng, n, hq, hkv, d, np.float32, True)
+            slots = rng.permutation(16)[:n].astype(np.int64)
+            want_q, want_k = rope.rotate_qk(q, k, pos[:, None])
+            counting[0] = True
+            got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots)
+            counting[0] = False
+            assert np.array_equal(bits(got), bits(want_q))
+            assert np.array_equal(bits(k_cache.reshape(-1, hkv, d)[slots]), bits(want_k))
+            assert np.array_equal(bits(v_cache.reshape(-1, hkv, d)[slots]), bits(v))
+    assert tables.past_the_cap
+    assert made[1:] == [0, 1]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["new", "out", "in place"])
 def test_a_decode_loop_checks_each_step(dtype, where, rng):
@@ -725,7 +761,8 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
         if step == 0:
             got = rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=q)
         else:  # the layouts are known: the short way takes the step
-            got = _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, q, "NHD")
+            args = (q, k, v, pos, k_cache, v_cache, slots, q, "NHD")
+            got = _kv_step.step(rope, *args, _kv_step.step_key(rope._spec, *args))
         assert got is q and np.array_equal(q, want_q)
         assert np.array_equal(_rows(k_cache, "NHD")[slots], want_k)
     # out over k's rows alone, or v's alone (each token's row: q, k, 32 spare features, v):
@@ -737,7 +774,7 @@ def test_in_place_on_a_fused_projection_takes_the_short_way(rng):
         out = out.reshape(5, 3, 32)
         key = _kv_step.step_key(rope._spec, q, k, v, pos, k_cache, v_cache, slots, out, "NHD")
         assert _kv_step._steps.get(key) is not None  # the layouts are known: the launch refuses
-        assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, out, "NHD") is None
+        assert _kv_step.step(rope, q, k, v, pos, k_cache, v_cache, slots, out, "NHD", key) is None
         with pytest.raises(ar.RopeValueError, match="share memory"):
             rope.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, out=out)
 
