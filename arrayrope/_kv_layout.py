@@ -80,6 +80,10 @@ def checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
         raise RopeValueError(f"k must have shape (N, Hkv, head_dim), got {k.shape}")
     hkv = k.shape[1]
     _operand("k", k, (n, hkv, d), q.dtype, family)
+    shape = getattr(v, "shape", None)
+    if shape is not None and len(shape) == 3 and shape[::2] == (n, d) and shape[1] != hkv:
+        # k and v differ in their heads alone: either may be the wrong one
+        raise RopeValueError(f"k and v must have one number of heads, got k {k.shape}, v {shape}")
     _operand("v", v, (n, hkv, d), q.dtype, family)
     if k_cache.ndim != 4:
         axes = "block_size, Hkv" if cache_layout == "NHD" else "Hkv, block_size"
@@ -90,8 +94,8 @@ def checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     heads_axis = 2 if cache_layout == "NHD" else 1
     if k_cache.shape[heads_axis] != hkv or k_cache.shape[3] != d:
         raise RopeValueError(
-            f"k_cache of shape {k_cache.shape} ({cache_layout}) must hold Hkv={hkv} heads of "
-            f"head_dim={d}"
+            f"k_cache of shape {k_cache.shape} ({cache_layout}) holds {k_cache.shape[heads_axis]}"
+            f" heads of head_dim={k_cache.shape[3]}; k has Hkv={hkv} heads of head_dim={d}"
         )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not (cache.dtype == q.dtype or fp8(cache.dtype)):

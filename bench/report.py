@@ -232,9 +232,9 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "## Head sizes and rotary fractions",
         "",
         "(1, 32, T, d) `rope.rotate(x, out=o)` unless the mode says otherwise, at two sizes: x "
-        "twice the last-level cache this process counts on (its size, at most 16 MiB per CPU: "
-        "both the rotation and the copy stream memory) and x an eighth of it (both run in "
-        "cache). `of copy` is against the fastest copy of the same "
+        "twice the last-level cache this process counts on (its size, at most 16 MiB per "
+        "CPU), where both the rotation and the copy stream memory, and x an eighth of it (both "
+        "run in cache). `of copy` is against the fastest copy of the same "
         "bytes, `vs full` the time per byte over full rotary's at the same d, dtype, style and "
         "mode (above 1: slower). In cache, the rotation also reads a cos/sin row for each row "
         "of x (as many bytes as the row in float32, twice as many for the 2-byte types) and is "

@@ -16,11 +16,11 @@ quarter of the heads as k).
 rotary's at the same d, dtype, style and way of storing (above 1: slower), full rotary taking
 turns with it as the copies do.
 
-Each case runs at two sizes (see :func:`sizes`): x twice the last-level cache, where the copy
-and the rotation both stream memory, and x an eighth of it, where both run from the cache. In
-cache the copy moves each line once, while the rotation also reads a cos/sin row for each row
-of x (as many bytes as the row in float32, twice as many for the 2-byte types): its loads bound
-it well below the copy.
+Each case runs at two sizes (see :func:`sizes`): x twice the share of the last-level cache this
+process counts on, where the copy and the rotation both stream memory, and x an eighth of it,
+where both run from the cache. In cache the copy moves each line once, while the rotation also
+reads a cos/sin row for each row of x (as many bytes as the row in float32, twice as many for
+the 2-byte types): its loads bound it well below the copy.
 """
 
 import argparse

@@ -427,6 +427,19 @@ def test_streaming_starts_at_half_the_cache_share(monkeypatch, cache, cpus, shar
     assert _config.Config.from_environment().stream_above == share // 2
     monkeypatch.setenv("ARRAYROPE_STREAM_ABOVE", "12345")
     assert _config.Config.from_environment().stream_above == 12345
+    for name, text in (("ARRAYROPE_STREAM_ABOVE", "16MiB"), ("ARRAYROPE_SERIAL_BELOW", "-5")):
+        monkeypatch.setenv(name, text)
+        with pytest.raises(ValueError, match=f"{name} must be a whole number .* got '{text}'"):
+            _config.Config.from_environment()
+
+
+def test_the_cache_share_counts_every_cpu_where_affinity_is_unknown(monkeypatch):
+    monkeypatch.setattr(_config, "_last_level_cache", lambda: 480 << 20)
+    monkeypatch.delattr(_config.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(_config.os, "cpu_count", lambda: 4)
+    assert _config._cache_share() == 64 << 20
+    monkeypatch.setattr(_config.os, "cpu_count", lambda: None)  # unknown: one
+    assert _config._cache_share() == 16 << 20
 
 
 def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config, rng):

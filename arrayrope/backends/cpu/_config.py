@@ -35,7 +35,7 @@ def _last_level_cache(default=32 << 20):
 
 # The most last-level cache a process counts on per CPU it may run on. A virtual machine's sysfs
 # reports the whole socket's cache, shared with tenants it cannot see (480 MiB on a 2-CPU VM,
-# where 128 MiB results already write in half the time with streaming stores); a 2-CPU VM with
+# where streaming stores write 32 to 128 MiB results faster than plain ones); a 2-CPU VM with
 # a 32 MiB cache keeps all of it.
 _CACHE_PER_CPU = 16 << 20
 
@@ -45,7 +45,7 @@ def _cache_share():
     _CACHE_PER_CPU per CPU the process may run on."""
     try:
         cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+    except (AttributeError, OSError):  # not on Linux, or the affinity cannot be read
         cpus = os.cpu_count() or 1
     return min(_last_level_cache(), cpus * _CACHE_PER_CPU)
 
@@ -77,14 +77,28 @@ class Config:
 
     @classmethod
     def from_environment(cls, environ=os.environ):
-        serial_below = int(environ.get("ARRAYROPE_SERIAL_BELOW", 1 << 16))
+        serial_below = _count(environ, "ARRAYROPE_SERIAL_BELOW", "elements", 1 << 16)
         factor = 4 if numba.config.NUMBA_NUM_THREADS <= 2 else 1
         return cls(
             serial_below=serial_below,
             small_below=factor * serial_below,
-            stream_above=int(environ.get("ARRAYROPE_STREAM_ABOVE", _cache_share() // 2)),
+            stream_above=_count(environ, "ARRAYROPE_STREAM_ABOVE", "bytes", _cache_share() // 2),
             vector_rows=True,
         )
+
+
+def _count(environ, name, unit, default):
+    """The whole number >= 0 that the environment variable ``name`` holds, or ``default``."""
+    text = environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a whole number of {unit} >= 0, got {text!r}")
+    return value
 
 
 CONFIG = Config.from_environment()

@@ -142,18 +142,18 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
 
             return variant(nothing, *parts)
 
-        # Each row's rotary part is a ladder (see _ladder), inlined into this function by Numba
-        # or LLVM (see _ladder): a helper called per row would take its arrays, and table rows
-        # taken as views (cos[p]), with reference-count calls per row. The table row starts at
-        # the flat offset tb (cos and sin alike). One loop per layout (with the layout test
-        # inside the row loop, LLVM keeps the loop's registers on the stack); the test whether
-        # rows have a tail stays inside it, costing full rotary nothing measurable. A row's tail
-        # is copied right after its rotated part, in the same iteration: x and o are then read
-        # and written in address order, and a line split between a rotated part and its tail
-        # leaves the write-combining buffer whole. (Over a block of rows, the rotated parts
-        # would skip lines that the tails come back for, which the memory system serves poorly
-        # out of cache.) The loop over runs is in the same function: a function Numba compiles
-        # on its own is optimized and emitted by LLVM once more in each caller's library.
+        # Each row's rotary part is a ladder, inlined into this function by Numba or LLVM (see
+        # _ladder): a helper called per row would take its arrays, and table rows taken as views
+        # (cos[p]), with reference-count calls per row. The table row starts at the flat offset tb
+        # (cos and sin alike). One loop per layout (with the layout test inside the row loop, LLVM
+        # keeps the loop's registers on the stack); the test whether rows have a tail stays inside
+        # it, costing full rotary nothing measurable. A row's tail is copied right after its
+        # rotated part, in the same iteration: x and o are then read and written in address order,
+        # and a line split between a rotated part and its tail leaves the write-combining buffer
+        # whole. (Over a block of rows, the rotated parts would skip lines that the tails come back
+        # for, which the memory system serves poorly out of cache.) The loop over runs is in the
+        # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
+        # more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 

@@ -78,9 +78,10 @@ def paired_row(nontemporal):
 
             def block(j, width=lanes):
                 """The first- and second-half results of pairs j..j + width - 1, as bits (a
-                narrower block's lanes past width zeros). Lanes past h read 1.0 (a sin of 0):
-                their results are 1.0, never zeros, which would send the bfloat16 rounding to
-                its second pass (see _simd._bf16_two)."""
+                block of half the lanes, the only narrower width, has zeros past width). Lanes
+                past h read 1.0 (a sin of 0): their results are 1.0, never zeros, which would
+                send the bfloat16 rounding to its second pass (see _simd._bf16_two)."""
+                assert width in (lanes, lanes // 2), width
                 inside = _below(builder, j, h, width)
                 xj = builder.add(xr_, j)
                 a = read(0, x_, xj, width, inside, ones(tys[0], width))
@@ -95,7 +96,7 @@ def paired_row(nontemporal):
                         builder.bitcast(_narrow(builder, tys[2].dtype, v), bits)
                         for v in (low, high)
                     )
-                # a narrower block's two halves rounded as one vector of lanes (one conversion
+                # a half-width block's two halves rounded as one vector of lanes (one conversion
                 # instruction where there is one), then taken apart
                 every = ir.Constant(ir.VectorType(i32, lanes), [*range(lanes)])
                 narrowed = _narrow(builder, tys[2].dtype, builder.shuffle_vector(low, high, every))
