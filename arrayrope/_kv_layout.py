@@ -94,8 +94,8 @@ def checked_layout(d, q, k, v, k_cache, v_cache, out, cache_layout, family):
     heads_axis = 2 if cache_layout == "NHD" else 1
     if k_cache.shape[heads_axis] != hkv or k_cache.shape[3] != d:
         raise RopeValueError(
-            f"k_cache of shape {k_cache.shape} ({cache_layout}) holds {k_cache.shape[heads_axis]}"
-            f" heads of head_dim={k_cache.shape[3]}; k has Hkv={hkv} heads of head_dim={d}"
+            f"k_cache of shape {k_cache.shape} ({cache_layout}) has Hkv={k_cache.shape[heads_axis]}"
+            f" and head_dim={k_cache.shape[3]}; k has Hkv={hkv} and head_dim={d}"
         )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not (cache.dtype == q.dtype or fp8(cache.dtype)):

@@ -325,7 +325,7 @@ def test_rotate_into_cache_refusals():
     with pytest.raises(RopeTypeError, match="k_scale must be a number"):
         STEP_ROPE.rotate_into_cache(*given, jnp.asarray(slots), k_scale=jnp.asarray(0.5))
     bad = {  # shapes and dtypes: refused before the call is traced, under jit too
-        "k_cache of shape .* holds": dict(cache_layout="HND"),
+        "k_cache of shape .* has Hkv=": dict(cache_layout="HND"),
         "k and v must have one number of heads": dict(v=given[2][:, :1]),
         "v_cache must have q's dtype": dict(v_cache=given[5].astype(jnp.float16)),
     }

@@ -433,7 +433,11 @@ def test_refusals_write_nothing(rng):
         ({"k_scale": 2.0}, ar.RopeValueError, "k_scale scales a float8 cache"),
         ({"v": v[:, :, :8]}, ar.RopeValueError, r"v must have shape \(4, 1, 16\)"),
         ({"v": np.repeat(v, 2, 1)}, ar.RopeValueError, r"one number of heads, .* v \(4, 2, 16\)"),
-        ({"k": np.repeat(k, 2, 1), "v": np.repeat(v, 2, 1)}, ar.RopeValueError, r"holds 1 heads"),
+        (
+            {"k": np.repeat(k, 2, 1), "v": np.repeat(v, 2, 1)},
+            ar.RopeValueError,
+            r"has Hkv=1 and head_dim=16; k has Hkv=2",
+        ),
         ({"k": k.astype(np.float64)}, ar.RopeTypeError, "k must have dtype float32"),
         ({"v_cache": v_cache[:1]}, ar.RopeValueError, "v_cache must have shape"),
         ({"q_norm": np.ones(8)}, ar.RopeValueError, r"q_norm must be a float array of shape"),
