@@ -20,9 +20,9 @@ Prefill: 2048 tokens at positions 100..2147 into consecutive slots (in bfloat16 
 projection no such cache holds; decode: 32 tokens at mixed positions below 30,000, into slots
 scattered over a 4096-slot cache, and the same 10**6 further on (past the cache of cos/sin
 rows: each token's row made from the level tables once for the step's positions, which the
-calls here repeat as the layers of one step do). With QK-norm, the same prefill of 2048 tokens and
-decode with ``q_norm=`` and ``k_norm=`` weights (norm_eps 1e-6), the unfused step normalizing q
-and k with NumPy in float32 first. ``bench/bench.py`` prints the same rows.
+calls here repeat as the layers of one step do). With QK-norm, the same prefill of 2048 tokens
+and decode with ``q_norm=`` and ``k_norm=`` weights (norm_eps 1e-6), the unfused step
+normalizing q and k with NumPy in float32 first. ``bench/bench.py`` prints the same rows.
 """
 
 import argparse
