@@ -168,13 +168,13 @@ def torch_library():
 _torch_ops = None
 
 # Set when _torch_ops loads (None until a torch tensor has been seen): the functions that
-# RoPE's and the module's calls make on a torch.Tensor: _torch_ops.eager_view and
+# RoPE's and the module's calls make on a torch.Tensor: _torch_ops.eager_view, eager_views and
 # torch.from_numpy (an eager decode step's way), routed and routed_qk (Engine's others),
 # wanted, shared_key, rotate and rotate_qk (rotate's and rotate_qk's). The callers read these,
 # never the module or torch.Tensor: under torch.compile, each global that Dynamo traces on the
 # way to the graph node is a guard that every call of the compiled code checks, and a second
 # name of one object (a module, torch.Tensor) a slower one, in Python.
-eager_view = from_numpy = torch_routed_qk = None
+eager_view = eager_views = from_numpy = torch_routed_qk = None
 torch_shared_key = torch_rotate = torch_rotate_qk = None
 torch_routed = torch_wanted = None  # last set: they open the ways that use those above
 
@@ -182,12 +182,13 @@ torch_routed = torch_wanted = None  # last set: they open the ways that use thos
 def torch_ops():
     """arrayrope._torch_ops, which imports torch and registers the operators: loaded once a
     torch tensor needs it."""
-    global _torch_ops, eager_view, from_numpy, torch_routed, torch_routed_qk
+    global _torch_ops, eager_view, eager_views, from_numpy, torch_routed, torch_routed_qk
     global torch_shared_key, torch_rotate, torch_rotate_qk, torch_wanted
     if _torch_ops is None:
         from . import _torch_ops as module
 
-        eager_view, from_numpy = module.eager_view, module.torch.from_numpy
+        eager_view, eager_views = module.eager_view, module.eager_views
+        from_numpy = module.torch.from_numpy
         torch_routed_qk, torch_shared_key = module.routed_qk, module.shared_key
         torch_rotate, torch_rotate_qk = module.rotate, module.rotate_qk
         torch_routed, torch_wanted = module.routed, module.wanted

@@ -25,6 +25,15 @@ def run(rope, arrays, options):
     :data:`NAMES`), where q is neither NumPy nor CuPy; ``options`` are its keyword
     arguments."""
     q, out = arrays[0], arrays[-1]
+    weights = (options["q_norm"], options["k_norm"])
+    eager = _interop.eager_views
+    if eager is not None and (views := eager(arrays + weights)) is not None:
+        # plain CPU tensors (an eager decode step): their memory as NumPy, the global tests
+        # made once for all of them
+        natives, (q_norm, k_norm) = views[:-2], views[-2:]
+        options = options | {"q_norm": q_norm, "k_norm": k_norm}
+        result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
+        return out if out is not None else _interop.from_numpy(result)
     frameworks = {_framework(a) for a in arrays if hasattr(a, "__dlpack__")}
     if frameworks & {"jax", "jaxlib"}:
         if "torch" in frameworks:
@@ -42,7 +51,6 @@ def run(rope, arrays, options):
         from . import _jax_cache
 
         return _jax_cache.rotate_into_cache(rope, arrays, dict(options))
-    weights = (options["q_norm"], options["k_norm"])
     if "torch" in frameworks and _interop.torch_ops().cache_step_wanted(arrays + weights):
         return _interop.torch_ops().rotate_into_cache(rope._engine.key, arrays, options)
     natives = [_native(name, a) for name, a in zip(NAMES, arrays)]

@@ -16,6 +16,7 @@ This module imports torch: it is imported only once a torch tensor has been seen
 
 import operator
 
+import numpy as np
 import torch
 
 from . import _torch_lowered
@@ -88,6 +89,31 @@ def eager_view(x):
         return x.numpy()
     except (RuntimeError, TypeError):
         return None
+
+
+def eager_views(arrays):
+    """NumPy views of a call's arrays where each torch tensor among them takes the path every
+    array takes (as :func:`eager_view` says, the global tests made once); NumPy arrays, ints and
+    None as they are. None where one cannot, or another kind of array is among them."""
+    if (
+        _dynamo_tracing()
+        or _transforms()
+        or _dispatch_modes()
+        or _jit_tracing() is not None
+        or _forward_ad._current_level >= 0
+    ):
+        return None
+    views = []
+    for a in arrays:
+        if type(a) is _Tensor:
+            try:
+                a = a.numpy()
+            except (RuntimeError, TypeError):
+                return None
+        elif not (a is None or type(a) is int or type(a) is np.ndarray):
+            return None
+        views.append(a)
+    return views
 
 
 def _special(t):

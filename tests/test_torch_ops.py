@@ -743,6 +743,30 @@ def test_rotate_into_cache_on_cpu_tensors_with_norm_and_float8_caches():
         assert _same_bits(a, b)
 
 
+def test_an_eager_step_on_plain_cpu_tensors_takes_no_operator_and_no_conversion(monkeypatch):
+    # plain float32 tensors (slots a NumPy array among them) go straight to the NumPy step
+    from arrayrope import _kv_frameworks, _torch_library
+
+    q, k, v, pos, k_cache, v_cache, slots = _cache_step_inputs(torch.float32, 6)
+    want = _numpy_cache_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the general way was taken")
+
+    monkeypatch.setattr(_kv_frameworks, "_native", refused)
+    monkeypatch.setattr(_torch_library, "_native", refused)
+    monkeypatch.setattr(ar._interop.torch_ops(), "rotate_into_cache", refused)
+    out = torch.full_like(q, float("nan"))
+    for where in (None, out):
+        got = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots.numpy(), out=where)
+        assert type(got) is torch.Tensor and (where is None or got is out)
+        for a, b in zip((got, k_cache, v_cache), want):
+            assert _same_bits(a, b)
+    monkeypatch.undo()  # a tensor that requires grad is the operators' to refuse
+    with pytest.raises(RopeValueError, match="k requires grad.*inference step"):
+        STEP_ROPE.rotate_into_cache(q, k.clone().requires_grad_(), v, pos, k_cache, v_cache, slots)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
 def test_opcheck_passes_for_the_fused_steps_operators(dtype, norm):
