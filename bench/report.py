@@ -57,12 +57,12 @@ def _fmt(v, spec):
 
 def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
-    context sweep (prefill rows, decode steps), the shape matrix, the fused inference step's
-    rows, the rows against llama.cpp's rope (None without ggml) and the torch.compile sweep,
-    as bench.py makes them."""
+    context sweep (prefill rows, decode steps), the shape matrix, the cos/sin rows' cost (bytes
+    of x, rows), the fused inference step's rows, the rows against llama.cpp's rope (None
+    without ggml) and the torch.compile sweep, as bench.py makes them."""
     import shapes  # bench/shapes.py, beside this file
 
-    frameworks, accuracy, (prefill, decode_at), matrix, fused, llama, compiled = measured
+    frameworks, accuracy, (prefill, decode_at), matrix, row_cost, fused, llama, compiled = measured
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -241,6 +241,12 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "bound by its loads, well below the copy, which moves each line once.",
         "",
         shapes.report(matrix),
+        "",
+        "The same rotation at one position, where every row of x reads one cos/sin row that "
+        "stays in the first-level cache, shows what reading a row for each row of x costs "
+        "past the cache (`bench/shapes.py`'s `row_cost`).",
+        "",
+        shapes.row_cost_report(row_cost[1], row_cost[0]),
         "",
         "## Fused inference step",
         "",

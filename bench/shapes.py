@@ -21,6 +21,11 @@ process counts on, where the copy and the rotation both stream memory, and x an 
 where both run from the cache. In cache the copy moves each line once, while the rotation also
 reads a cos/sin row for each row of x (as many bytes as the row in float32, twice as many for
 the 2-byte types): its loads bound it well below the copy.
+
+After the matrix, :func:`row_cost` times full rotary at d = 128 past the cache once more at a
+single position for every row, where that cos/sin row stays in the first-level cache: against
+the rows at positions 0..T-1, the cost of reading a cos/sin row from beyond that cache for
+each row of x.
 """
 
 import argparse
@@ -115,6 +120,51 @@ def matrix(nbytes, repeats):
     return [tuple(row) for row in rows]
 
 
+def row_cost(nbytes, repeats):
+    """[(dtype, of copy, of copy at one position)]: (1, 32, T, 128) ``rope.rotate(x, out=o)``,
+    half style, x of about ``nbytes`` bytes, at positions 0..T-1 and at position 0 for every
+    row. At one position each row of x reads the same cos/sin row, which stays in the
+    first-level cache; at T positions the rows stream by as x does. The difference is what
+    the cos/sin rows cost the rotation on this machine."""
+    import ml_dtypes
+    from numba import njit, prange
+
+    import arrayrope as ar
+    from bench import paired
+
+    @njit(parallel=True, cache=True)
+    def threaded_copy(src, dst):
+        for i in prange(src.size):
+            dst[i] = src[i]
+
+    rope = ar.RoPE(128, style="half")
+    found = []
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64):
+        length = max(1, nbytes // (32 * 128 * np.dtype(dtype).itemsize))
+        x = np.random.default_rng(0).standard_normal((1, 32, length, 128)).astype(dtype)
+        out = np.empty_like(x)
+        zeros = np.zeros(length, dtype=np.int64)
+        s, t = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+        ceilings = [lambda: np.copyto(out, x), lambda: threaded_copy(s, t)]
+        rows = paired(lambda: rope.rotate(x, out=out), ceilings, repeats)[2]
+        one = paired(lambda: rope.rotate(x, zeros, out=out), ceilings, repeats)[2]
+        found.append((np.dtype(dtype).name, rows, one))
+    return found
+
+
+def row_cost_report(found, nbytes):
+    """A markdown table of :func:`row_cost`'s rows."""
+    lines = [
+        f"the cos/sin rows' cost, (1, 32, T, 128) half style, x of {nbytes / 2**20:g} MiB, "
+        "of the copy:",
+        "",
+        "| dtype | positions 0..T-1 | one position |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {dtype} | {rows:.2f} | {one:.2f} |" for dtype, rows, one in found]
+    return "\n".join(lines)
+
+
 def measure(repeats):
     """{size name: (bytes of x, matrix rows)} for each of :func:`sizes`."""
     return {name: (nbytes, matrix(nbytes, repeats)) for name, nbytes in sizes().items()}
@@ -149,7 +199,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
-    print(report(measure(3 if args.quick else 7)))
+    repeats = 3 if args.quick else 7
+    print(report(measure(repeats)))
+    nbytes = sizes()["past the cache"]
+    print()
+    print(row_cost_report(row_cost(nbytes, repeats), nbytes))
 
 
 if __name__ == "__main__":
