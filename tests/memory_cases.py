@@ -28,8 +28,9 @@ from oracles import BF16, assert_matches, oracle, qwen3_oracle  # noqa: E402
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # The route configurations each worker runs under, steered by the library's switches: decode and
-# prefill sizes on one thread (the defaults), and every input on the parallel kernels with
-# streaming stores and with plain stores.
+# prefill sizes on one thread (the defaults), every input on the parallel kernels with streaming
+# stores and with plain stores, and streaming again with the table calls' rows taken two
+# positions at a time through every head (see BLOCK_ROWS).
 CONFIGS = {
     "one thread (default switches)": {},
     "parallel, streaming stores": {"ARRAYROPE_SERIAL_BELOW": "0", "ARRAYROPE_STREAM_ABOVE": "0"},
@@ -37,7 +38,15 @@ CONFIGS = {
         "ARRAYROPE_SERIAL_BELOW": "0",
         "ARRAYROPE_STREAM_ABOVE": str(1 << 62),
     },
+    "parallel, streaming stores, table blocks of two positions": {
+        "ARRAYROPE_SERIAL_BELOW": "0",
+        "ARRAYROPE_STREAM_ABOVE": "0",
+        "MEMORY_CASES_BLOCK_ROWS": "2",
+    },
 }
+# Where set, the table calls of the CPU backend take their rows in blocks of this many
+# positions through every head (backends.cpu.launch blocks hundreds, past these cases' sizes).
+BLOCK_ROWS = int(os.environ.get("MEMORY_CASES_BLOCK_ROWS", "0"))
 EDGE = 40  # max_positions of the RoPEs whose cache edge the "edge" and "past" positions probe
 
 
@@ -492,8 +501,23 @@ def corpus(size, seed=0):
     return list(unique.values())[:size]
 
 
+def _small_table_blocks(rows):
+    """Table calls blocked ``rows`` positions at a time, whatever their table's row size."""
+    from arrayrope.backends import cpu
+
+    chunked = cpu._chunked
+    cpu._TABLE_BLOCK_BYTES = 0  # every call with two positions or more tries
+
+    def blocked(operand, size, filled=True):
+        return chunked(operand, size if filled else rows, filled)
+
+    cpu._chunked = blocked
+
+
 def main():
     cases = json.load(sys.stdin)
+    if BLOCK_ROWS:
+        _small_table_blocks(BLOCK_ROWS)
     failed = 0
     for i, spec in enumerate(cases):
         print(f"BEGIN {i}", flush=True)

@@ -642,3 +642,79 @@ def test_half_rows_longer_than_a_paired_row_holds_take_another_path(dtype, strea
             with _config.override(stream_above=stream_above, serial_below=1 << 62, small_below=0):
                 rope.rotate(x, pos, out=out)
             np.testing.assert_array_equal(bits(out), bits(want))
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(2, 5),
+    length=st.integers(2, 60),
+    block_rows=st.integers(1, 9),
+    d=st.sampled_from([16, 40, 64]),
+    dtype=st.sampled_from(DTYPES),
+    style=st.sampled_from(["interleaved", "half"]),
+    partial=st.booleans(),
+    way=st.sampled_from(["out", "in place", "rotate_qk", "positions per sequence"]),
+    stream=st.booleans(),
+    shift=st.integers(0, 9),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_table_blocks_taken_through_every_head_write_what_one_pass_writes(
+    threads, batch, heads, length, block_rows, d, dtype, style, partial, way, stream, shift, seed
+):
+    # Heads outer in memory: a block of positions' table rows through every head before the
+    # next block (see cpu.launch), the rows past the last whole block after them; the same bits
+    # as one pass over each head, and nothing written outside the outputs.
+    rng = np.random.default_rng(seed)
+    rotary_dim = 2 * int(rng.integers(1, d // 2 + 1)) if partial else d
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    shape = (batch, heads, length, d)
+    xs = [(rng.standard_normal(shape) * 3).astype(dtype)]
+    if way == "rotate_qk":
+        xs.append((rng.standard_normal((batch, heads - 1, length, d)) * 3).astype(dtype))
+    pos = rng.integers(0, 4096, length)
+    if way == "positions per sequence":
+        pos = rng.integers(0, 4096, (batch, 1, length))
+    table_row = 2 * (rotary_dim // 2) * (8 if dtype == np.float64 else 4)
+    reordered = []
+
+    def recorded(operand, rows, filled=True):
+        parts = chunked(operand, rows, filled)
+        reordered.append(parts[0] is not operand)
+        return parts
+
+    chunked = cpu._chunked
+    results = []
+    for block_bytes in (block_rows * table_row, 1 << 62):
+        buffers, outs = zip(*(_window(x.shape, dtype, shift, 0) for x in xs))
+        given_xs = xs
+        if way == "in place":
+            outs[0][...] = xs[0]
+            given_xs = outs
+        config = _streaming(threads) if stream else _vector(threads)
+        with config, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu, "_TABLE_BLOCK_BYTES", block_bytes)
+            patch.setattr(cpu, "_chunked", recorded)
+            _general(rope, tuple(given_xs), pos, outs)
+        for buffer, out in zip(buffers, outs):
+            mask = np.ones(buffer.size, bool)
+            mask[np.unique(_offsets(buffer, out))] = False
+            assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+        results.append(outs)
+    if length >= 2 * block_rows and block_rows > 1:
+        assert any(reordered[: len(xs)])  # the blocked order was taken
+    assert not any(reordered[len(xs) :])
+    for blocked, whole in zip(*results):
+        np.testing.assert_array_equal(bits(blocked), bits(whole))
+    assert_matches(results[0][0], oracle(xs[0], pos, style=style, rotary_dim=rotary_dim), xs[0])
+
+
+def test_table_blocks_leave_short_operands_and_the_last_rows_as_they_are():
+    x = np.zeros((2, 4, 50, 16), np.float32)
+    operand = (x, np.zeros_like(x), np.zeros((1, 1, 50, 1), np.int64))
+    (whole,) = cpu._chunked(operand, 32, False)  # fewer than two blocks of rows
+    assert whole is operand
+    blocks, last = cpu._chunked(operand, 16, False)
+    assert blocks[0].shape == (3, 2, 4, 16, 16)  # each block through every batch and head
+    assert last[0].shape == (2, 4, 2, 16) and last[2].shape == (1, 1, 2, 1)  # in x's order
+    assert np.shares_memory(last[1], operand[1]) and last[1].strides == operand[1].strides

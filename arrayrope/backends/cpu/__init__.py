@@ -76,16 +76,22 @@ def launch(spec, operands, cos, sin, inverse):
         ):
             operands, cos, sin = per_entry(spec.pair_axis, operands, cos, sin)
             segments = ONE_RUN[spec.rotary_dim // 2]
-    g = geometry(operands, flat=True)
     d = operands[0][0].shape[-1]
     stream = _stream(spec, operands, segments, cos, sin)
     copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
-    args = _flat_operands(operands, stream) + (g, cos, sin, segments)
-    args += (spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
-    rows = _rows_of(operands)
     parallel = _parallel_launch(operands)
-    scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
-    _run(KERNELS[stream], args, scratch, rows, parallel)
+    pairs = [operands]
+    rows = max(1, _TABLE_BLOCK_BYTES // (2 * cos.shape[-1] * cos.itemsize))
+    if segments.shape[0] == 1 and any(idx.size >= 2 * rows for _, _, idx in operands):
+        parts = [part for operand in operands for part in _chunked(operand, rows, False)]
+        pairs = [parts[at : at + 2] for at in range(0, len(parts), 2)]
+    for pair in pairs:
+        g = geometry(pair, flat=True)
+        args = _flat_operands(pair, stream) + (g, cos, sin, segments)
+        args += (spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
+        rows = _rows_of(pair)
+        scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
+        _run(KERNELS[stream], args, scratch, rows, parallel)
     return stream
 
 
@@ -142,7 +148,17 @@ _FILL_BYTES = 1 << 20
 _ALL_FILL_BYTES = 16 << 20
 
 
-def _chunked(operand, rows):
+# Bytes of cos/sin table rows that a table call (see launch) takes through every head before the
+# next positions' rows, where the heads are outer in memory: they stay in the core's
+# second-level cache while the heads read them. A call over all its positions per head reads
+# each row once per head from farther out, which on CPUs whose cores are bound by the memory
+# requests each keeps in flight costs nearly as much as reading x (a float32 cos/sin row holds
+# as many bytes as a float32 row of x, twice a float16 or bfloat16 row's). Blocks of a few
+# hundred rows keep each head's run long enough to stream.
+_TABLE_BLOCK_BYTES = 256 << 10
+
+
+def _chunked(operand, rows, filled=True):
     """An operand (x, out, positions) as views in the order the filled direct path takes its
     rows: along the longest axis on which the positions vary, chunks of ``rows`` rows, each
     chunk's rows at every index of the axes along which the positions broadcast (the heads,
@@ -150,7 +166,11 @@ def _chunked(operand, rows):
     innermost. Each position's row is then filled once, and each run of rows is read and
     written in address order. Where the broadcast axes are the inner ones in memory already
     (tokens by heads: (T, H, d), (B, T, H, d)), the operand as it is: each position's rows are
-    one run, its row filled once for them."""
+    one run, its row filled once for them.
+
+    Not ``filled`` (table rows, which launch reads rather than fills): the rows past the last
+    whole chunk in the operand's order, and the operand as it is where it holds fewer than two
+    chunks (its rows stay in cache as they are)."""
     x, out, idx = operand
     lead = range(x.ndim - 1)
     shared = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
@@ -159,6 +179,8 @@ def _chunked(operand, rows):
         return [operand]
     axis = max(varying, key=lambda a: (x.shape[a], a))
     chunks = x.shape[axis] // rows if rows > 1 else 0
+    if not filled and chunks < 2:
+        return [operand]
     cut = chunks * rows
     arrays = (x, out, idx) if out is not x else (x, idx)
     parts = []
@@ -169,7 +191,7 @@ def _chunked(operand, rows):
         split = [_split(a[_along(axis, 0, cut)], axis, rows).transpose(order) for a in arrays]
         parts.append(_operand(split))
     if cut < x.shape[axis]:
-        order = varying + shared + [x.ndim - 1]
+        order = varying + shared + [x.ndim - 1] if filled else list(range(x.ndim))
         parts.append(_operand([a[_along(axis, cut, None)].transpose(order) for a in arrays]))
     return parts
 
