@@ -33,7 +33,9 @@ def run(rope, arrays, options):
         natives, (q_norm, k_norm) = views[:-2], views[-2:]
         options = options | {"q_norm": q_norm, "k_norm": k_norm}
         result = rope.rotate_into_cache(*natives[:-1], out=natives[-1], **options)
-        return out if out is not None else _interop.from_numpy(result)
+        if out is not None:
+            return out
+        return result if type(q) is np.ndarray else _interop.from_numpy(result)
     frameworks = {_framework(a) for a in arrays if hasattr(a, "__dlpack__")}
     if frameworks & {"jax", "jaxlib"}:
         if "torch" in frameworks:

@@ -3,6 +3,8 @@ against a copy of the bytes it moves, each measured in the same run.
 
     python bench/kv_cache.py           # prefill of 2048 tokens, a decode batch of 32
     python bench/kv_cache.py --quick   # fewer rounds
+    python bench/kv_cache.py --jax --torch   # also a decode step on JAX arrays (jax.jit) and
+                                             # on torch CPU tensors, against the NumPy step
 
 q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches are paged,
 (blocks, 16, 8, 128) NHD; half style.
@@ -204,10 +206,40 @@ def jax_rows(rounds, n=32):
     return [(name, seconds * 1e6) for name, seconds in best.items()]
 
 
+def torch_rows(rounds, n=32):
+    """[(case, us per call)] of a decode step of n tokens on plain torch CPU tensors (float32,
+    views of the NumPy step's arrays, an eager call) and of the NumPy step, in the same run.
+    None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    import arrayrope as ar
+    from bench import best_per_call
+
+    rope = ar.RoPE(D, style="half")
+    q, k, v, pos, k_cache, v_cache, slots, _ = _arrays(n, np.float32, True)
+    out = np.empty_like(q)
+    arrays = (q, k, v, pos, k_cache, v_cache, slots)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    out_tensor = torch.from_numpy(out)
+    calls = {
+        "NumPy rotate_into_cache": lambda: rope.rotate_into_cache(*arrays, out=out),
+        "torch CPU tensors rotate_into_cache": (
+            lambda: rope.rotate_into_cache(*tensors, out=out_tensor)
+        ),
+    }
+    best = best_per_call(calls, rounds, 100)
+    return [(name, seconds * 1e6) for name, seconds in best.items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--jax", action="store_true", help="also a decode step on JAX arrays")
+    parser.add_argument(
+        "--torch", action="store_true", help="also a decode step on torch CPU tensors"
+    )
     args = parser.parse_args()
     print(
         f"rotate_into_cache, q {HQ} heads, k and v {HKV}, d {D}, NHD cache of {BLOCK}-slot "
@@ -219,6 +251,13 @@ def main():
         print("\ndecode, 32 tokens, caches donated, us per call:")
         if found is None:
             print("  JAX is not installed")
+        for name, us in found or []:
+            print(f"  {name:36s} {us:8.1f}")
+    if args.torch:
+        found = torch_rows(5 if args.quick else 15)
+        print("\ndecode, 32 tokens, out=, us per call:")
+        if found is None:
+            print("  torch is not installed")
         for name, us in found or []:
             print(f"  {name:36s} {us:8.1f}")
 

@@ -4,8 +4,9 @@ The worker of the guard-page tests (``tests/memory_cases.py``) runs under memche
 operands on the heap, each in a block of exactly its span, which memcheck surrounds with red
 zones; the cos/sin tables, results and kernel scratch are heap blocks too. The corpus is the
 fixed matrix of the guard-page tests plus a hypothesis-drawn set of layouts (the same for the
-same ``--seed``), run once per route configuration: decode and prefill sizes on one thread, and
-every input on the parallel kernels with streaming stores and with plain stores.
+same ``--seed``), run once per route configuration: decode and prefill sizes on one thread,
+every input on the parallel kernels with streaming stores and with plain stores, and streaming
+again with the table calls' rows taken two positions at a time through every head.
 
     python bench/memcheck.py                     # 300 random layouts per configuration
     python bench/memcheck.py --size 2000 --seed 7

@@ -242,9 +242,10 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "",
         shapes.report(matrix),
         "",
-        "The same rotation at one position, where every row of x reads one cos/sin row that "
-        "stays in the first-level cache, shows what reading a row for each row of x costs "
-        "past the cache (`bench/shapes.py`'s `row_cost`).",
+        "The same rotation, x past the last-level cache, at positions 0..T-1 and at a single "
+        "position, where every row of x reads one cos/sin row that stays in the first-level "
+        "cache: the gap between the two is what reading a row for each row of x costs "
+        "(`bench/shapes.py`'s `row_cost`).",
         "",
         shapes.row_cost_report(row_cost[1], row_cost[0]),
         "",

@@ -24,8 +24,8 @@ the 2-byte types): its loads bound it well below the copy.
 
 After the matrix, :func:`row_cost` times full rotary at d = 128 past the cache once more at a
 single position for every row, where that cos/sin row stays in the first-level cache: against
-the rows at positions 0..T-1, the cost of reading a cos/sin row from beyond that cache for
-each row of x.
+the rows at positions 0..T-1, the gap between the two is what reading a cos/sin row from
+beyond that cache for each row of x costs.
 """
 
 import argparse
@@ -124,8 +124,9 @@ def row_cost(nbytes, repeats):
     """[(dtype, of copy, of copy at one position)]: (1, 32, T, 128) ``rope.rotate(x, out=o)``,
     half style, x of about ``nbytes`` bytes, at positions 0..T-1 and at position 0 for every
     row. At one position each row of x reads the same cos/sin row, which stays in the
-    first-level cache; at T positions the rows stream by as x does. The difference is what
-    the cos/sin rows cost the rotation on this machine."""
+    first-level cache; at T positions each row reads its own, which the call keeps in the
+    core's cache a block of positions at a time through every head (see backends.cpu.launch).
+    The gap between the two is what reading the rows costs the rotation on this machine."""
     import ml_dtypes
     from numba import njit, prange
 
@@ -155,8 +156,8 @@ def row_cost(nbytes, repeats):
 def row_cost_report(found, nbytes):
     """A markdown table of :func:`row_cost`'s rows."""
     lines = [
-        f"the cos/sin rows' cost, (1, 32, T, 128) half style, x of {nbytes / 2**20:g} MiB, "
-        "of the copy:",
+        f"the cos/sin rows' cost: (1, 32, T, 128) half style, x of {nbytes / 2**20:g} MiB, "
+        "speed as a fraction of the copy's (the gap between the columns is the rows' reads):",
         "",
         "| dtype | positions 0..T-1 | one position |",
         "|---|---|---|",

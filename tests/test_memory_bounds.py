@@ -5,7 +5,8 @@ or before its first (``guarded.py``), and every kernel route runs through the pu
 subprocess (``memory_cases.py``): a read or write past either end kills it with SIGSEGV, which
 fails the test and names the case. Each configuration of routes runs in its own process, steered
 by the library's environment switches: the default (decode and prefill sizes on one thread),
-every input on the parallel kernels with streaming stores, and with plain stores.
+every input on the parallel kernels with streaming stores, with plain stores, and with streaming
+stores and the table calls' rows taken two positions at a time through every head.
 
 The fixed matrix runs always; a random corpus of layouts (``memory_cases.case_strategy``) adds
 60 cases per configuration, 1,000 with ``--slow``.

@@ -762,6 +762,9 @@ def test_an_eager_step_on_plain_cpu_tensors_takes_no_operator_and_no_conversion(
         assert type(got) is torch.Tensor and (where is None or got is out)
         for a, b in zip((got, k_cache, v_cache), want):
             assert _same_bits(a, b)
+    numpy_q = q.numpy().copy()  # the result takes q's type: a NumPy q, a NumPy result
+    got = STEP_ROPE.rotate_into_cache(numpy_q, k, v, pos, k_cache, v_cache, slots)
+    assert type(got) is np.ndarray and _same_bits(torch.from_numpy(got), want[0])
     monkeypatch.undo()  # a tensor that requires grad is the operators' to refuse
     with pytest.raises(RopeValueError, match="k requires grad.*inference step"):
         STEP_ROPE.rotate_into_cache(q, k.clone().requires_grad_(), v, pos, k_cache, v_cache, slots)

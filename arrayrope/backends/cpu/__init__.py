@@ -81,9 +81,9 @@ def launch(spec, operands, cos, sin, inverse):
     copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
     parallel = _parallel_launch(operands)
     pairs = [operands]
-    rows = max(1, _TABLE_BLOCK_BYTES // (2 * cos.shape[-1] * cos.itemsize))
-    if segments.shape[0] == 1 and any(idx.size >= 2 * rows for _, _, idx in operands):
-        parts = [part for operand in operands for part in _chunked(operand, rows, False)]
+    block = max(1, _TABLE_BLOCK_BYTES // (2 * cos.shape[-1] * cos.itemsize))
+    if segments.shape[0] == 1 and any(idx.size >= 2 * block for _, _, idx in operands):
+        parts = [part for operand in operands for part in _chunked(operand, block, False)]
         pairs = [parts[at : at + 2] for at in range(0, len(parts), 2)]
     for pair in pairs:
         g = geometry(pair, flat=True)
@@ -168,16 +168,21 @@ def _chunked(operand, rows, filled=True):
     (tokens by heads: (T, H, d), (B, T, H, d)), the operand as it is: each position's rows are
     one run, its row filled once for them.
 
-    Not ``filled`` (table rows, which launch reads rather than fills): the rows past the last
-    whole chunk in the operand's order, and the operand as it is where it holds fewer than two
-    chunks (its rows stay in cache as they are)."""
+    Not ``filled`` (table rows, which launch reads rather than fills): chunks along the
+    innermost axis on which the positions vary (so that each head's rows of a chunk are one run
+    in address order), the rows past the last whole chunk in the operand's order, and the
+    operand as it is where that axis holds fewer than two chunks (its rows stay in cache as
+    they are)."""
     x, out, idx = operand
     lead = range(x.ndim - 1)
     shared = [a for a in lead if idx.shape[a] == 1 and x.shape[a] > 1]
     varying = [a for a in lead if a not in shared]
     if not shared or not varying or _inner(shared, varying, x) and _inner(shared, varying, out):
         return [operand]
-    axis = max(varying, key=lambda a: (x.shape[a], a))
+    if filled:
+        axis = max(varying, key=lambda a: (x.shape[a], a))
+    else:
+        axis = min((a for a in varying if x.shape[a] > 1), key=lambda a: abs(x.strides[a]))
     chunks = x.shape[axis] // rows if rows > 1 else 0
     if not filled and chunks < 2:
         return [operand]
