@@ -66,6 +66,18 @@ def wanted(x, pos, out, k=None):
     return False
 
 
+def _untraced():
+    """Whether nothing traces, transforms or records the call: no Dynamo, torch.func transform,
+    dispatch mode, TorchScript trace or forward AD level."""
+    return not (
+        _dynamo_tracing()
+        or _transforms()
+        or _dispatch_modes()
+        or _jit_tracing() is not None
+        or _forward_ad._current_level >= 0
+    )
+
+
 def eager_view(x):
     """A NumPy view of the torch tensor ``x`` where a call on ``x`` alone (no out; an int
     position or none) takes the path every array takes: a plain CPU tensor of a type NumPy
@@ -73,14 +85,7 @@ def eager_view(x):
     :func:`wanted` and the fast adopter in one, for an eager decode step. (Where AOTAutograd or
     torch.export trace, x is a fake or functional tensor, or a dispatch mode is on: Dynamo's
     own test is enough here.)"""
-    if (
-        _dynamo_tracing()
-        or _transforms()
-        or _dispatch_modes()
-        or _jit_tracing() is not None
-        or _forward_ad._current_level >= 0
-        or type(x) is not _Tensor
-    ):
+    if type(x) is not _Tensor or not _untraced():
         return None
     try:
         # numpy() refuses, for the general way, what this path must not take: a tensor that
@@ -95,13 +100,7 @@ def eager_views(arrays):
     """NumPy views of a call's arrays where each torch tensor among them takes the path every
     array takes (as :func:`eager_view` says, the global tests made once); NumPy arrays, ints and
     None as they are. None where one cannot, or another kind of array is among them."""
-    if (
-        _dynamo_tracing()
-        or _transforms()
-        or _dispatch_modes()
-        or _jit_tracing() is not None
-        or _forward_ad._current_level >= 0
-    ):
+    if not _untraced():
         return None
     views = []
     for a in arrays:

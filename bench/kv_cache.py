@@ -246,20 +246,18 @@ def main():
         "blocks (best of rounds):"
     )
     print(report(rows(5 if args.quick else 15)))
-    if args.jax:
-        found = jax_rows(5 if args.quick else 15)
-        print("\ndecode, 32 tokens, caches donated, us per call:")
-        if found is None:
-            print("  JAX is not installed")
-        for name, us in found or []:
-            print(f"  {name:36s} {us:8.1f}")
-    if args.torch:
-        found = torch_rows(5 if args.quick else 15)
-        print("\ndecode, 32 tokens, out=, us per call:")
-        if found is None:
-            print("  torch is not installed")
-        for name, us in found or []:
-            print(f"  {name:36s} {us:8.1f}")
+    steps = [
+        (args.jax, jax_rows, "caches donated", "JAX"),
+        (args.torch, torch_rows, "out=", "torch"),
+    ]
+    for wanted, measure, how, package in steps:
+        if wanted:
+            found = measure(5 if args.quick else 15)
+            print(f"\ndecode, 32 tokens, {how}, us per call:")
+            if found is None:
+                print(f"  {package} is not installed")
+            for name, us in found or []:
+                print(f"  {name:36s} {us:8.1f}")
 
 
 if __name__ == "__main__":
