@@ -33,6 +33,7 @@ from ._torch_library import (  # noqa: F401 - shared_key: _api
 )
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 _compiling = torch.compiler.is_compiling
@@ -99,11 +100,14 @@ def eager_view(x):
 def eager_views(arrays):
     """NumPy views of a call's arrays where each torch tensor among them takes the path every
     array takes (as :func:`eager_view` says, the global tests made once); NumPy arrays, ints and
-    None as they are. None where one cannot, or another kind of array is among them."""
+    None as they are. None where one cannot, or another kind of array is among them. With grad
+    off, a model's parameters (a QK-norm's weights) are read as the plain tensors they hold."""
     if not _untraced():
         return None
     views = []
     for a in arrays:
+        if type(a) is _Parameter and not _grad():
+            a = a.detach()
         if type(a) is _Tensor:
             try:
                 a = a.numpy()
@@ -404,7 +408,8 @@ def rotate_into_cache(key, arrays, options):
             "rotate_into_cache is an inference step, which torch.func transforms (vmap, grad, "
             "jvp) and forward-mode AD do not take: call it outside them"
         )
-    for name, a in zip(("q", "k", "v"), (q, k, v)):
+    given = (q, k, v, options["q_norm"], options["k_norm"])
+    for name, a in zip(("q", "k", "v", "q_norm", "k_norm"), given):
         if isinstance(a, _Tensor) and a.requires_grad and _grad():
             raise RopeValueError(
                 f"{name} requires grad, and rotate_into_cache is an inference step that autograd "

@@ -765,9 +765,23 @@ def test_an_eager_step_on_plain_cpu_tensors_takes_no_operator_and_no_conversion(
     numpy_q = q.numpy().copy()  # the result takes q's type: a NumPy q, a NumPy result
     got = STEP_ROPE.rotate_into_cache(numpy_q, k, v, pos, k_cache, v_cache, slots)
     assert type(got) is np.ndarray and _same_bits(torch.from_numpy(got), want[0])
+    # a model's norm weights, parameters, with grad off: read as the tensors they hold
+    weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 32))
+    normed = dict(q_norm=weight, k_norm=weight)
+    detached = dict(q_norm=weight.detach().numpy(), k_norm=weight.detach().numpy())
+    want = _numpy_cache_step(STEP_ROPE, q, k, v, pos, k_cache, v_cache, slots, **detached)
+    with torch.no_grad():
+        got = STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **normed)
+    for a, b in zip((got, k_cache, v_cache), want):
+        assert _same_bits(a, b)
     monkeypatch.undo()  # a tensor that requires grad is the operators' to refuse
     with pytest.raises(RopeValueError, match="k requires grad.*inference step"):
         STEP_ROPE.rotate_into_cache(q, k.clone().requires_grad_(), v, pos, k_cache, v_cache, slots)
+    # with grad on, the weights too: autograd would not record their gradient
+    before = k_cache.clone()
+    with pytest.raises(RopeValueError, match="q_norm requires grad.*inference step"):
+        STEP_ROPE.rotate_into_cache(q, k, v, pos, k_cache, v_cache, slots, **normed)
+    assert torch.equal(k_cache, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
