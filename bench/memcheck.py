@@ -11,6 +11,11 @@ again with the table calls' rows taken two positions at a time through every hea
     python bench/memcheck.py                     # 300 random layouts per configuration
     python bench/memcheck.py --size 2000 --seed 7
     python bench/memcheck.py --write docs/memcheck.md
+    python bench/memcheck.py --only "table blocks" --write docs/memcheck.md
+
+``--only`` runs the configurations whose names contain the text; with ``--write``, the rows of
+the others are kept from the file where it was written with the same ``--size`` and ``--seed``,
+each row with the date it was run.
 
 Reports, per configuration, the cases run, the time taken and the invalid accesses found:
 those inside arrayrope's kernels or anything but the dynamic loader (expected: zero), and the
@@ -96,10 +101,40 @@ def run(cases, env, valgrind):
     return ok, failed, errors(text), seconds, done.returncode
 
 
+_HEADER = "| configuration | cases passed | invalid accesses | in the loader | time | run on |"
+
+
+def kept_rows(path, size, seed, names, count):
+    """{configuration: table row} of the clean rows of ``names`` in a report written earlier at
+    ``path`` with the same size and seed, over ``count`` cases (a row without a date takes the
+    report's), else {}."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    if f"--size {size} --seed {seed}`" not in text:
+        return {}
+    dated = re.search(r"` on (\d{4}-\d\d-\d\d),", text)
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] not in names or len(cells) not in (5, 6):
+            continue
+        passed, total = cells[1].split(" of ")
+        if passed != total or total != str(count) or cells[2] != "0":
+            continue  # a row with findings is run again, not carried
+        if len(cells) == 5:
+            cells.append(dated.group(1) if dated else "?")
+        rows[cells[0]] = "| " + " | ".join(cells) + " |"
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=300, help="random layouts per configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", metavar="TEXT", help="the configurations whose names hold TEXT")
     parser.add_argument("--write", metavar="FILE", help="also write the report to FILE")
     args = parser.parse_args()
     valgrind = shutil.which("valgrind")
@@ -107,38 +142,58 @@ def main():
         sys.exit("memcheck.py needs valgrind on PATH")
     import memory_cases
 
+    configs = {
+        name: env
+        for name, env in memory_cases.CONFIGS.items()
+        if args.only is None or args.only in name
+    }
+    if not configs:
+        sys.exit(f"--only {args.only!r} names none of: {', '.join(memory_cases.CONFIGS)}")
     cases = memory_cases.standard_cases(large=True) + memory_cases.corpus(args.size, args.seed)
+    kept = {}
+    if args.write and len(configs) < len(memory_cases.CONFIGS):
+        others = set(memory_cases.CONFIGS) - set(configs)
+        kept = kept_rows(args.write, args.size, args.seed, others, len(cases))
+    revision = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    run_on = f"{datetime.date.today()}" + (f", {revision}" if revision else "")
     lines = [
         "# Memcheck over fuzzed layouts",
         "",
-        f"Written by `python bench/memcheck.py --size {args.size} --seed {args.seed}` on "
-        f"{datetime.date.today()}, {platform.machine()}, "
+        f"Written by `python bench/memcheck.py --size {args.size} --seed {args.seed}`, "
+        f"{platform.machine()}, "
         f"{subprocess.run([valgrind, '--version'], capture_output=True, text=True).stdout.strip()}"
-        ".",
+        "; each configuration's row says when it ran.",
         "",
         f"{len(cases)} cases per configuration: the guard-page tests' fixed matrix and "
         f"{args.size} hypothesis-drawn layouts. Operands sit in heap blocks of exactly their "
         "span; invalid reads and writes are counted inside arrayrope (or anywhere but the "
         "dynamic loader) and in the dynamic loader.",
         "",
-        "| configuration | cases passed | invalid accesses | in the loader | time |",
-        "|---|---:|---:|---:|---:|",
+        _HEADER,
+        "|---|---:|---:|---:|---:|---|",
     ]
     print("\n".join(lines), flush=True)
-    bad = []
-    for name, env in memory_cases.CONFIGS.items():
+    rows, bad = dict(kept), []
+    for name in kept:
+        print(kept[name] + "  (kept)", flush=True)
+    for name, env in configs.items():
         ok, failed, found, seconds, code = run(cases, env, valgrind)
         ours = [e for e in found if not from_loader(e[1])]
-        row = (
+        rows[name] = (
             f"| {name} | {ok} of {len(cases)} | {len(ours)} | {len(found) - len(ours)} "
-            f"| {seconds / 60:.1f} min |"
+            f"| {seconds / 60:.1f} min | {run_on} |"
         )
-        print(row, flush=True)
-        lines.append(row)
+        print(rows[name], flush=True)
         bad += [f"{name}: {headline}\n    " + "\n    ".join(stack[:12]) for headline, stack in ours]
         bad += [f"{name}: {line}" for line in failed]
         if code not in (0, 1) or ok + len(failed) < len(cases):
             bad.append(f"{name}: the worker stopped (status {code}) after {ok + len(failed)} cases")
+    lines += [rows[name] for name in memory_cases.CONFIGS if name in rows]
+    missing = [name for name in memory_cases.CONFIGS if name not in rows]
+    if missing:
+        lines += ["", "Not run with this size and seed: " + "; ".join(missing) + "."]
     if bad:
         lines += ["", "## Findings", "", "```", *bad, "```"]
         print("\n".join(lines[-len(bad) - 4 :]))
