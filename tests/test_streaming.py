@@ -196,6 +196,46 @@ def test_rows_on_the_grid_write_what_the_general_loop_writes(
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=inverse), x)
 
 
+def _line_window(shape, dtype, line_offset):
+    """A poisoned buffer and a C-contiguous view of ``shape`` in it that starts
+    ``line_offset`` bytes past a 64-byte boundary."""
+    item = np.dtype(dtype).itemsize
+    buffer = poisoned((int(np.prod(shape)) + 256 // item,), dtype)
+    start = (-buffer.__array_interface__["data"][0] % 64 + line_offset) // item
+    return buffer, buffer[start : start + int(np.prod(shape))].reshape(shape)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize(
+    "d, rotary_dim", [(8, 8), (24, 24), (128, 128), (160, 96), (100, 96), (72, 64)]
+)
+@pytest.mark.parametrize("line_offset", [0, 16, 32, 48])
+def test_plain_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits(
+    threads, dtype, style, d, rotary_dim, line_offset
+):
+    # The plain-store steps of a row (VECTOR), its widest steps across line boundaries or not:
+    # rows starting at each 16-byte place in a cache line, rows and tails shorter than a line
+    # among them (d = 8; d = 100 of 96), must write the general loop's bits and nothing else.
+    if not _config.STREAMING:
+        pytest.skip("the direct path is used on x86-64 only")
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 3, 21, d)) * 3).astype(dtype)
+    x_before = x.copy()
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    pos = rng.integers(0, 60_000, size=21)
+    buffer, out = _line_window(x.shape, dtype, line_offset)
+    assert out.__array_interface__["data"][0] % 64 == line_offset
+    for inverse in (False, True):
+        modes = []
+        buffer[:] = np.nan
+        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, "vector", modes)
+        assert modes == [cpu.VECTOR]
+    assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=True), x)
+    np.testing.assert_array_equal(bits(x), bits(x_before))
+
+
 @pytest.mark.parametrize("mode", ["streaming", "vector"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
@@ -228,8 +268,8 @@ def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, st
     # blocks, the second of 16 lanes (up to 94: 76, three chunks; 94) or 32 (98; 100, four
     # chunks); in stack slots, three (150), four (202), six (330) and as many as it holds
     # (1022); one more (1030) takes the vector steps with plain stores.
-    if dtype == np.float16 and not _config.HARDWARE_F16:
-        pytest.skip("float16 takes the general loop where the CPU does not convert it")
+    if not _config.STREAMING:
+        pytest.skip("the direct path is used on x86-64 only")
     rng = np.random.default_rng()
     x = (rng.standard_normal((2, 3, 21, d)) * 3).astype(dtype)
     rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
