@@ -89,6 +89,16 @@ def check_float(name, a, head_dim):
         )
 
 
+def refuse_masked(name, a):
+    """Raise where ``a`` is a NumPy masked array: its data would be read or written whole and
+    its mask dropped."""
+    if isinstance(a, np.ma.MaskedArray):
+        raise RopeTypeError(
+            f"{name} is a masked array (numpy.ma), whose mask arrayrope would ignore: pass "
+            f"np.ma.getdata({name}) to use every element, or {name}.filled(value)"
+        )
+
+
 def pointer(a, array_family):
     """The address of ``a``'s element 0."""
     if array_family == CUPY:

@@ -58,6 +58,7 @@ def adopt(name, a, written=False):
     written (an out). Raises for what DLPack cannot carry."""
     if not hasattr(a, "__dlpack__") or not hasattr(a, "__dlpack_device__"):
         raise RopeTypeError(f"{name} must be {_arrays.ACCEPTED}, got {_arrays.describe(a)}")
+    _arrays.refuse_masked(name, a)  # DLPack carries its data and not its mask
     framework = _framework(a)
     if framework == "torch":
         if a.requires_grad and sys.modules["torch"].is_grad_enabled():

@@ -26,6 +26,7 @@ from ._kv_step import EPS, no_weight, remember, step, step_key
 def _weights(name, w, d):
     if w is None:
         return np.empty(0, np.float64)
+    _arrays.refuse_masked(name, w)
     w = np.asarray(w)
     if w.shape != (d,) or w.dtype.kind != "f":
         raise RopeValueError(
@@ -75,6 +76,7 @@ def _slots(slots, n, capacity):
             f"slots must be distinct (two tokens in one slot would race), got slot {int(slot)} "
             f"{int((slots == slot).sum())} times"
         )
+    _arrays.refuse_masked("slots", slots)
     slots = np.asarray(slots)
     if slots.dtype.kind not in "iu":
         raise RopeTypeError(f"slots must hold integers, got dtype {slots.dtype}")

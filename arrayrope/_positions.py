@@ -40,6 +40,7 @@ def resolve(pos, n_axes):
             )
         return INT, check_int(operator.index(pos))
     if not _arrays.family(pos):
+        _arrays.refuse_masked("pos", pos)
         try:
             pos = np.asarray(pos)
         except (TypeError, ValueError):

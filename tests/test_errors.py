@@ -96,6 +96,44 @@ def test_foreign_byte_order_x(dtype):
         ar.rotate_qk(np.zeros((3, 8), np.dtype(dtype).newbyteorder("=")), x)
 
 
+def _masked_calls():
+    """(argument name, call) for each way a masked array can go in."""
+    x, q, kv = np.ones((2, 3, 8), np.float32), np.ones((3, 4, 8), np.float32), np.ones((3, 2, 8))
+    kv = kv.astype(np.float32)
+    rope, pos, m = ar.RoPE(8), np.arange(3), np.ma.masked_array
+
+    def cache():
+        return np.zeros((2, 4, 2, 8), np.float32)
+
+    def step(**changed):
+        arrays = dict(q=q, k=kv, v=kv, pos=pos, k_cache=cache(), v_cache=cache(), slots=pos)
+        options = {name: changed.pop(name) for name in ("q_norm", "k_norm") if name in changed}
+        return lambda: rope.rotate_into_cache(**(arrays | changed), **options)
+
+    calls = [
+        ("x", lambda: ar.rotate(m(x))),
+        ("pos", lambda: ar.rotate(x, m(pos))),
+        ("out", lambda: ar.rotate(x, out=m(np.empty_like(x)))),
+        ("k", lambda: ar.rotate_qk(x, m(x))),
+        ("x", lambda: rope.rotate(m(x), backend="numpy")),
+        ("pos", lambda: rope.cos_sin(m(pos))),
+    ]
+    given = dict(q=q, k=kv, v=kv, pos=pos, k_cache=cache(), v_cache=cache(), slots=pos)
+    for name, a in given.items():
+        calls.append((name, step(**{name: m(a)})))
+    for name in ("q_norm", "k_norm"):
+        calls.append((name, step(**{name: m(np.ones(8, np.float32))})))
+    return calls
+
+
+@pytest.mark.parametrize("name, call", _masked_calls())
+def test_masked_arrays_are_refused_by_name(name, call):
+    # numpy.ma arrays convert to their data, mask dropped, which would silently rotate (or
+    # write into, or take positions from) the elements the mask hides
+    with pytest.raises(RopeTypeError, match=rf"^{name} is a masked array .*np\.ma\.getdata"):
+        call()
+
+
 def test_zero_d_x():
     with pytest.raises(RopeValueError, match="0-d"):
         ar.rotate(np.float32(3.0))
