@@ -477,10 +477,9 @@ def main():
         print("\nhead sizes x rotary fractions x styles x dtypes (bench/shapes.py):")
         matrix = shape_matrix.measure(3 if args.quick else 5)
         print(shape_matrix.report(matrix))
-        cost_bytes = shape_matrix.sizes()["past the cache"]
-        row_cost = cost_bytes, shape_matrix.row_cost(cost_bytes, 3 if args.quick else 5)
+        row_cost = shape_matrix.row_costs(3 if args.quick else 5)
         print()
-        print(shape_matrix.row_cost_report(row_cost[1], cost_bytes))
+        print(shape_matrix.row_cost_report(row_cost))
         import kv_cache
 
         fused = kv_cache.rows(5 if args.quick else 15)

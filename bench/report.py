@@ -236,18 +236,19 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "CPU), where both the rotation and the copy stream memory, and x an eighth of it (both "
         "run in cache). `of copy` is against the fastest copy of the same "
         "bytes, `vs full` the time per byte over full rotary's at the same d, dtype, style and "
-        "mode (above 1: slower). In cache, the rotation also reads a cos/sin row for each row "
-        "of x (as many bytes as the row in float32, twice as many for the 2-byte types) and is "
-        "bound by its loads, well below the copy, which moves each line once.",
+        "mode (above 1: slower). In cache, each of the rotation's plain stores reads its line "
+        "before writing it, and the rotation reads a cos/sin row for each row of x (as many "
+        "bytes as the row in float32, twice as many for the 2-byte types); the copy moves each "
+        "line once.",
         "",
         shapes.report(matrix),
         "",
-        "The same rotation, x past the last-level cache, at positions 0..T-1 and at a single "
-        "position, where every row of x reads one cos/sin row that stays in the first-level "
-        "cache: the gap between the two is what reading a row for each row of x costs "
-        "(`bench/shapes.py`'s `row_cost`).",
+        "The same rotation at both sizes, at positions 0..T-1 and at a single position, where "
+        "every row of x reads one cos/sin row that stays in the first-level cache: the gap "
+        "between the two is what reading a row for each row of x costs (`bench/shapes.py`'s "
+        "`row_cost`).",
         "",
-        shapes.row_cost_report(row_cost[1], row_cost[0]),
+        shapes.row_cost_report(row_cost),
         "",
         "## Fused inference step",
         "",

@@ -18,14 +18,14 @@ turns with it as the copies do.
 
 Each case runs at two sizes (see :func:`sizes`): x twice the share of the last-level cache this
 process counts on, where the copy and the rotation both stream memory, and x an eighth of it,
-where both run from the cache. In cache the copy moves each line once, while the rotation also
-reads a cos/sin row for each row of x (as many bytes as the row in float32, twice as many for
-the 2-byte types): its loads bound it well below the copy.
+where both run from the cache. In cache each of the rotation's plain stores reads its line
+before writing it (streaming stores, which do not, would leave the result out of cache), and
+the rotation reads a cos/sin row for each row of x; the copy moves each line once.
 
-After the matrix, :func:`row_cost` times full rotary at d = 128 past the cache once more at a
+After the matrix, :func:`row_cost` times full rotary at d = 128 at both sizes once more at a
 single position for every row, where that cos/sin row stays in the first-level cache: against
-the rows at positions 0..T-1, the gap between the two is what reading a cos/sin row from
-beyond that cache for each row of x costs.
+the rows at positions 0..T-1, the gap between the two is what reading a cos/sin row for each
+row of x costs.
 """
 
 import argparse
@@ -153,16 +153,31 @@ def row_cost(nbytes, repeats):
     return found
 
 
-def row_cost_report(found, nbytes):
-    """A markdown table of :func:`row_cost`'s rows."""
+def row_costs(repeats):
+    """{size name: (bytes of x, :func:`row_cost`'s rows)} for each of :func:`sizes`."""
+    return {name: (nbytes, row_cost(nbytes, repeats)) for name, nbytes in sizes().items()}
+
+
+def row_cost_report(costs):
+    """A markdown table of :func:`row_costs`'s rows, a pair of columns per size."""
+    head = ["dtype"]
+    for name in costs:
+        head += [f"0..T-1, {name}", f"one position, {name}"]
+    sizes_said = ", ".join(
+        f"x of {nbytes / 2**20:g} MiB {name}" for name, (nbytes, _) in costs.items()
+    )
     lines = [
-        f"the cos/sin rows' cost: (1, 32, T, 128) half style, x of {nbytes / 2**20:g} MiB, "
-        "speed as a fraction of the copy's (the gap between the columns is the rows' reads):",
+        f"the cos/sin rows' cost: (1, 32, T, 128) half style ({sizes_said}), speed as a "
+        "fraction of the copy's at positions 0..T-1 and at one position (the gap between the "
+        "two is the rows' reads):",
         "",
-        "| dtype | positions 0..T-1 | one position |",
-        "|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
-    lines += [f"| {dtype} | {rows:.2f} | {one:.2f} |" for dtype, rows, one in found]
+    columns = [found for _, found in costs.values()]
+    for cases in zip(*columns):
+        cells = [cases[0][0]] + [f"{v:.2f}" for _, rows, one in cases for v in (rows, one)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -202,9 +217,8 @@ def main():
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     print(report(measure(repeats)))
-    nbytes = sizes()["past the cache"]
     print()
-    print(row_cost_report(row_cost(nbytes, repeats), nbytes))
+    print(row_cost_report(row_costs(repeats)))
 
 
 if __name__ == "__main__":
