@@ -11,13 +11,18 @@ reads and writes XLA's buffers through NumPy views (:func:`view`).
 This module imports JAX: it is imported only once a traced JAX array has been seen.
 """
 
+import atexit
 import ctypes
 import functools
 import math
 import threading
+import time
 
 import jax
 import numpy as np
+from llvmlite import ir
+from numba import cfunc, types
+from numba.extending import intrinsic
 
 from . import _arrays
 from ._cache import Bounded
@@ -234,7 +239,60 @@ _POSITION_DTYPES = {
     11: np.dtype(np.float32),
     12: np.dtype(np.float64),
 }
-_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))(_handle)
+# The frame's and the error's addresses as integers, which the compiled entry passes through
+_HANDLER = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_size_t)(
+    lambda address: _handle(ctypes.cast(address, ctypes.POINTER(_CallFrame))) or 0
+)
 
 
-jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu")
+# The handler's entry, compiled: XLA runs a jitted program on its own threads, and may still run
+# one that the program's last lines dispatched (its result never awaited) after the interpreter
+# has begun to exit. A thread that then asks for the GIL to run Python never gets it, and XLA's
+# shutdown waits for that thread forever. So the entry counts the calls inside Python in
+# _STATE[1], and once _close (an atexit hook, run before JAX's own) has set _STATE[0], it returns
+# at once without Python and without writing the results: no one reads them any more.
+_STATE = np.zeros(2, np.int64)  # closing, calls inside Python
+
+
+@intrinsic
+def _atomic_add(typingctx, address, value):
+    """Atomically add ``value`` to the int64 at ``address``; the value there before."""
+
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", pointer, args[1], "seq_cst")
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+def _entry_for(state, handler):
+    closing, running = state.ctypes.data, state.ctypes.data + 8
+
+    @cfunc(types.uintp(types.uintp))  # XLA's void *(*)(XLA_FFI_CallFrame *)
+    def entry(frame):
+        if _atomic_add(closing, 0):
+            return 0  # NULL: no error
+        _atomic_add(running, 1)
+        if _atomic_add(closing, 0):
+            _atomic_add(running, -1)
+            return 0
+        result = handler(frame)
+        _atomic_add(running, -1)
+        return result
+
+    return entry
+
+
+_ENTRY = _entry_for(_STATE, _HANDLER)
+
+
+def _close(timeout=60.0):
+    """Stop the entry from running Python, and wait (GIL released) for the calls already in it."""
+    _STATE[0] = 1
+    deadline = time.monotonic() + timeout
+    while _STATE[1] and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+atexit.register(_close)
+jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_ENTRY.address), platform="cpu")

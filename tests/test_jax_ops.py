@@ -2,6 +2,10 @@
 (arrayrope/_jax_ops.py). Every result is compared with the eager NumPy call on the same
 values, which the rest of the suite checks against the float64 oracle."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -127,6 +131,54 @@ def test_vmap_with_shared_and_per_example_positions():
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+_UNAWAITED = """
+import jax, jax.numpy as jnp
+import arrayrope as ar
+rope = ar.RoPE(64, style="half")
+x = jnp.ones((2, 8, 16, 64), jnp.float32)
+# its result never awaited: the program may still run as the interpreter exits
+jax.jit(lambda x: rope.rotate(x, jnp.arange(16)).sum())(x)
+print("dispatched", flush=True)
+"""
+
+
+def test_a_process_exits_with_jitted_calls_still_in_flight():
+    # A program that the last lines dispatch runs on XLA's threads while the interpreter exits;
+    # a Python handler that asked for the GIL then would never get it, and XLA's shutdown would
+    # wait for that thread forever (see _jax_ffi's entry).
+    for _ in range(2):  # the hang it guards against came in most runs, not all
+        done = subprocess.run(
+            [sys.executable, "-c", _UNAWAITED],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == "dispatched"
+
+
+def test_the_handler_entry_runs_no_python_once_closing(monkeypatch):
+    from arrayrope import _jax_ffi, _jax_ops  # noqa: F401  (_jax_ops registers its runner)
+
+    runs = []
+    run = _jax_ffi.RUNNERS["rotate"]
+    monkeypatch.setitem(_jax_ffi.RUNNERS, "rotate", lambda *a: runs.append(1) or run(*a))
+    x, pos = _data()
+    call = jax.jit(lambda x, pos: ROPE.rotate(x, pos))
+    expected = _expected(ROPE, x, pos)
+    np.testing.assert_array_equal(np.asarray(call(x, pos)), expected)
+    assert len(runs) == 1 and _jax_ffi._STATE[1] == 0
+    try:
+        _jax_ffi._STATE[0] = 1  # as _close leaves it
+        call(x, pos).block_until_ready()
+        assert len(runs) == 1, "the entry ran Python after closing"
+    finally:
+        _jax_ffi._STATE[0] = 0
+    np.testing.assert_array_equal(np.asarray(call(x, pos)), expected)
+    assert len(runs) == 2 and _jax_ffi._STATE[1] == 0
 
 
 def test_errors_under_jit():
