@@ -24,7 +24,8 @@ rotary_dim : int, optional
     rest pass through bit-identical (partial rotary: GPT-NeoX, Phi-2).""",
     "max_positions": """\
 max_positions : int, optional
-    Build the cache for positions 0..max_positions-1 at once, and never grow it. By default
+    Build the cache for positions 0..max_positions-1 at once, and never grow it (at most
+    2**31, past the largest position). By default
     the cache grows geometrically up to 32 MiB of tables. Positions past the cache take the
     same values from the level tables (72 KiB per rotated pair), never refused.""",
     "scaling": """\
@@ -77,6 +78,10 @@ head_axis : int, optional
     The axis of ``x`` that ``pos`` lacks, where ``pos`` gets an axis of size 1, as Hugging
     Face's ``unsqueeze_dim``: 1 for (B, H, T, d) and 2 for (B, T, H, d) with (B, T)
     positions. ``pos`` must then have every leading axis of ``x`` but that one.""",
+    "head_axis of delta": """\
+head_axis : int, optional
+    The axis of ``x`` that ``delta`` lacks, where ``delta`` gets an axis of size 1, as for
+    ``pos`` in :meth:`RoPE.rotate`.""",
     "head_axis of cos, sin": """\
 head_axis : int, optional
     The axis of ``x`` that the tables' leading shape lacks, where it gets an axis of size 1, as

@@ -89,9 +89,8 @@ def _table(name, t, x, rotary_dim, style):
     if family == CUPY and t.device != x.device:
         raise RopeValueError(f"{name} is on device {t.device.id}, x on device {x.device.id}")
     if t.ndim == 0 or _arrays.compute_dtype(t.dtype) is None:
-        raise RopeTypeError(
-            f"{name} must be float16, bfloat16, float32 or float64, got {_arrays.describe(t)}"
-        )
+        got = "a 0-d array" if t.ndim == 0 else f"dtype {t.dtype}"
+        raise RopeTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {got}")
     pairs = rotary_dim // 2
     if t.shape[-1] == rotary_dim:  # each pair's value at both of its features
         first, second = (
@@ -165,12 +164,23 @@ def check_width(cos, d, rotary_dim, name):
     """Refuse tables narrower than x without a rotary_dim: transformers' layout of a partial
     rotation (width rotary_dim) and one value per pair of a whole one (width d / 2) look
     alike."""
-    width = getattr(cos, "shape", (d,))[-1:] or (d,)
-    if rotary_dim is None and width[0] != d:
+    (width,) = getattr(cos, "shape", (d,))[-1:] or (d,)
+    if rotary_dim is None and width != d:
+        fits = []
+        if 2 * width <= d:
+            whole = "over the whole head" if 2 * width == d else "of a partial rotation"
+            fits.append(f"{2 * width} for one value per pair {whole}")
+        if width % 2 == 0 and 0 < width < d:
+            fits.append(f"{width} for transformers' layout of a partial rotation")
+        if not fits:
+            raise RopeValueError(
+                f"cos and sin of width {width} fit no rotation of {name} of {d} features: a "
+                "table holds rotary_dim / 2 values per row (one per pair) or rotary_dim, with "
+                f"rotary_dim even and at most {d}"
+            )
         raise RopeValueError(
-            f"cos and sin of width {width[0]} for {name} of {d} features need rotary_dim: {d} "
-            f"for one value per pair over the whole head, {width[0]} for transformers' layout of "
-            "a partial rotation"
+            f"cos and sin of width {width} for {name} of {d} features need rotary_dim: "
+            + ", or ".join(fits)
         )
 
 
@@ -215,7 +225,13 @@ def run(xs, cos, sin, style, rotary_dim, inverse, outs, head_axis, backend, name
     if head_axis is not None:
         lead = tuple(with_head_axis(np.empty(lead, np.int8), head_axis, x, 1, "cos").shape)
     probe = np.empty(lead, np.int64)  # the layout of the kernels' row indices
-    _positions.with_axes(probe, 1, [a.shape[:-1] for a in xs], "cos")
+    leads = [a.shape[:-1] for a in xs]
+    if not all(_positions.broadcasts(lead, shape) for shape in leads):
+        raise RopeValueError(
+            f"cos and sin of shape {cos.shape} have the leading shape {lead}, which does not "
+            f"broadcast to the leading shape {' and '.join(map(str, leads))}"
+        )
+    _positions.with_axes(probe, 1, leads, "cos")
     spec = _spec(d, rotary_dim, style)
     kind = _positions.ARRAY
     plan_key = (spec,) + _dispatch.plan_key(xs, kind, probe, outs, backend)

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _constructors, _interop, _kv_cache
+from . import _constructors, _interop, _kv_cache, _positions
 from ._cache import Bounded
 from ._dispatch import Engine
 from ._docs import filled
@@ -124,6 +124,11 @@ class RoPE:
         self.base = base
         if max_positions is not None:
             max_positions = int_arg("max_positions", max_positions, minimum=1)
+            if max_positions > _positions.LIMIT:
+                raise RopeValueError(
+                    f"max_positions must be at most 2**31 (positions are below 2**31), got "
+                    f"{max_positions}"
+                )
         if scaling is not None:
             if not isinstance(scaling, ScalingRule):
                 raise RopeTypeError(
@@ -340,7 +345,7 @@ class RoPE:
             For a length-dependent rule (DynamicNTK, LongRoPE): the length the rows were rotated
             at, which picks their frequencies. Required there; other rules take none.
         {out}
-        {head_axis}
+        {head_axis of delta}
         {backend}
 
         Returns

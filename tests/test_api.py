@@ -157,6 +157,15 @@ def test_max_positions_builds_once():
     assert same is table
 
 
+@pytest.mark.parametrize("value", [2**31 + 1, 2**40])
+def test_max_positions_past_every_position_is_refused(value):
+    # positions stop below 2**31: a larger cache could hold nothing more, and would fail to
+    # allocate at the first call with NumPy's MemoryError, which names no argument
+    with pytest.raises(ar.RopeValueError, match=rf"max_positions must be at most 2\*\*31.*{value}"):
+        ar.RoPE(8, max_positions=value)
+    assert ar.RoPE(8, max_positions=2**31).max_positions == 2**31  # built at first use only
+
+
 def test_module_functions_share_one_rope():
     from arrayrope._api import shared_rope
 

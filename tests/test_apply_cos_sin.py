@@ -154,8 +154,17 @@ def test_refusals_name_the_argument():
     with pytest.raises(ar.RopeValueError, match=r"cos\[..., 0::2\] and \[..., 1::2\] equal"):
         table = np.tile(np.arange(4.0), (4, 2))  # a "half" table: cat(f, f)
         ar.apply_cos_sin(x, table, table, style="interleaved")
-    with pytest.raises(ar.RopeValueError, match="cos of shape .* does not broadcast"):
+    leading = r"cos and sin of shape \(3, 4\) have the leading shape \(3,\), which does not"
+    with pytest.raises(ar.RopeValueError, match=leading):
         ar.apply_cos_sin(x, np.ones((3, 4)), np.ones((3, 4)), **kw)
+    # only the rotary_dims that fit are offered: even, at most d
+    with pytest.raises(ar.RopeValueError, match=r"need rotary_dim: 6 for one value per pair of a "
+                       r"partial rotation$"):  # fmt: skip
+        ar.apply_cos_sin(x, np.ones((4, 3)), np.ones((4, 3)), style="half")
+    with pytest.raises(ar.RopeValueError, match="width 10 fit no rotation of x of 8 features"):
+        ar.apply_cos_sin(x, np.ones((4, 10)), np.ones((4, 10)), style="half")
+    with pytest.raises(ar.RopeTypeError, match="cos must be float16, .* got dtype int64"):
+        ar.apply_cos_sin(x, np.ones((4, 4), np.int64), np.ones((4, 4), np.int64), **kw)
     with pytest.raises(ar.RopeTypeError, match="cos must be an array"):
         ar.apply_cos_sin(x, [[1.0] * 4] * 4, [[0.0] * 4] * 4, **kw)
     with pytest.raises(ar.RopeTypeError, match="cos must be float16, bfloat16"):
