@@ -25,7 +25,7 @@ rotary_dim : int, optional
     "max_positions": """\
 max_positions : int, optional
     Build the cache for positions 0..max_positions-1 at once, and never grow it (at most
-    2**31, past the largest position). By default
+    2**31: positions stop below it). By default
     the cache grows geometrically up to 32 MiB of tables. Positions past the cache take the
     same values from the level tables (72 KiB per rotated pair), never refused.""",
     "scaling": """\

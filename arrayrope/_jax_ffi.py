@@ -246,8 +246,8 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_size_t)(
 
 
 # The handler's entry, compiled: XLA runs a jitted program on its own threads, and may still run
-# one that the program's last lines dispatched (its result never awaited) after the interpreter
-# has begun to exit. A thread that then asks for the GIL to run Python never gets it, and XLA's
+# one that a script's last lines dispatched (its result never awaited) after the interpreter has
+# begun to exit. A thread that then asks for the GIL to run Python never gets it, and XLA's
 # shutdown waits for that thread forever. So the entry counts the calls inside Python in
 # _STATE[1], and once _close (an atexit hook, run before JAX's own) has set _STATE[0], it returns
 # at once without Python and without writing the results: no one reads them any more.
