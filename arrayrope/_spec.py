@@ -40,6 +40,8 @@ def dims_arg(head_dim, rotary_dim):
 
 
 def base_arg(base):
+    if isinstance(base, (str, bytes, bool, np.bool_)):  # float() would read "1e4" and True
+        raise RopeTypeError(f"base must be a real number, got {base!r}")
     try:
         value = float(base)
     except (TypeError, ValueError):

@@ -34,6 +34,8 @@ CASES = [
     ({"backend": "numba-cuda"}, RopeValueError, ["backend='numba-cuda'", "NumPy"]),
     ({"base": -3.0}, RopeValueError, ["base", "-3.0"]),
     ({"base": "x"}, RopeTypeError, ["base"]),
+    ({"base": "1e4"}, RopeTypeError, ["base", "'1e4'"]),
+    ({"base": True}, RopeTypeError, ["base", "True"]),
     ({"inverse": "yes"}, RopeTypeError, ["inverse", "'yes'"]),
     ({"out": np.zeros((2, 3, 6), np.float32)}, RopeValueError, ["out", "(2, 3, 8)", "(2, 3, 6)"]),
     ({"out": np.zeros((2, 3, 8), np.float64)}, RopeValueError, ["out", "float32", "float64"]),
