@@ -26,7 +26,7 @@ def test_warmup_reports_every_variant():
     vector_kernels = set(_rows.KERNELS.values()) - {_rows.rotate_range}
     for kernel in vector_kernels if STREAMING else {_rows.rotate_range}:
         assert f32 in [sig[0] for sig in kernel.signatures], kernel
-    parallel = {str(sig[1]) for sig in _parallel.rotate_parallel.signatures}
+    parallel = {str(sig[2]) for sig in _parallel.rotate_parallel.signatures}  # x1
     # in place, the direct path's plain-store kernel takes x itself; the general loop, None
     in_place = str(f32) if STREAMING else "none"
     assert {str(f32), in_place} <= parallel, parallel

@@ -15,6 +15,7 @@ import numpy as np
 
 from ... import _arrays
 from ..._arrays import NUMPY
+from ..._cache import Bounded
 from .._geometry import flat_view, geometry
 from . import (
     _angles,
@@ -67,19 +68,30 @@ def launch(spec, operands, cos, sin, inverse):
     (see ``_arrays.addressable``), ``out is x`` for in place; idx int64 of shape (L axes of
     size 1 or matching..., n_axes or 1), rows of ``cos``/``sin``.
     """
+    parallel = _parallel_launch(operands)
+    if spec.segments.shape[0] == 1:
+        key = (spec.rotary_dim, spec.half_style, parallel, cos.shape, cos.strides, cos.dtype)
+        key += (sin.strides,) + tuple(map(_operand_key, operands))
+        recipe = _recipes.get(key)
+        if recipe is None:
+            recipe = _recipes.put(key, _Recipe(spec, operands, cos, sin, parallel))
+        return recipe.run(spec, operands, cos, sin, inverse, parallel)
+    return _launch_entries(spec, operands, cos, sin, inverse, parallel)
+
+
+def _launch_entries(spec, operands, cos, sin, inverse, parallel):
+    """launch for multi-axis tables: rows gathered per position entry where that reads less."""
     segments = spec.segments
-    if segments.shape[0] > 1:
-        if operands[0][2].shape[-1] == 1:
-            segments = ONE_RUN[spec.rotary_dim // 2]  # per-entry tables already
-        elif segments.shape[0] > GATHER_ABOVE or all(
-            entries(idx) * SHARED_BY <= x.size // x.shape[-1] for x, _, idx in operands
-        ):
-            operands, cos, sin = per_entry(spec.pair_axis, operands, cos, sin)
-            segments = ONE_RUN[spec.rotary_dim // 2]
+    if operands[0][2].shape[-1] == 1:
+        segments = ONE_RUN[spec.rotary_dim // 2]  # per-entry tables already
+    elif segments.shape[0] > GATHER_ABOVE or all(
+        entries(idx) * SHARED_BY <= x.size // x.shape[-1] for x, _, idx in operands
+    ):
+        operands, cos, sin = per_entry(spec.pair_axis, operands, cos, sin)
+        segments = ONE_RUN[spec.rotary_dim // 2]
     d = operands[0][0].shape[-1]
     stream = _stream(spec, operands, segments, cos, sin)
     copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
-    parallel = _parallel_launch(operands)
     pairs = [operands]
     block = max(1, _TABLE_BLOCK_BYTES // (2 * cos.shape[-1] * cos.itemsize))
     if segments.shape[0] == 1 and any(idx.size >= 2 * block for _, _, idx in operands):
@@ -93,6 +105,71 @@ def launch(spec, operands, cos, sin, inverse):
         scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
         _run(KERNELS[stream], args, scratch, rows, parallel)
     return stream
+
+
+def _operand_key(operand):
+    """What a launch's decisions read of one operand: its layout, whether it is rotated in
+    place, and where its output stands on the 16-byte grid."""
+    x, out, idx = operand
+    at = _arrays.pointer(out, NUMPY) % 16
+    return x.shape, x.strides, x.dtype, out is x, out.strides, at, idx.shape, idx.strides
+
+
+# (what _operand_key and the tables' layout say of a launch) -> its _Recipe
+_recipes = Bounded(256)
+
+
+class _Recipe:
+    """What :func:`launch` works out from a call's layout alone, once per layout: the way its
+    results are stored, its kernel calls (one per pair of operands or of their table blocks:
+    see _chunked) with their geometry and scratch size. Each call then takes flat views of its
+    arrays and runs those kernel calls.
+
+    A table block is addressed in the flat view of the whole operand: its geometry's offsets
+    are shifted by where the block starts in it."""
+
+    __slots__ = ("stream", "copy_tail", "calls")
+
+    def __init__(self, spec, operands, cos, sin, parallel):
+        segments = spec.segments
+        d = operands[0][0].shape[-1]
+        self.stream = stream = _stream(spec, operands, segments, cos, sin)
+        self.copy_tail = spec.rotary_dim < d and not all(out is x for x, out, _ in operands)
+        parts = list(enumerate(operands))
+        block = max(1, _TABLE_BLOCK_BYTES // (2 * cos.shape[-1] * cos.itemsize))
+        if any(idx.size >= 2 * block for _, _, idx in operands):
+            parts = [(k, p) for k, operand in parts for p in _chunked(operand, block, False)]
+        dtype = _flat_operands(operands[:1], stream)[1].dtype
+        self.calls = []
+        for at in range(0, len(parts), 2):
+            pair = parts[at : at + 2]
+            views = [view for _, view in pair]
+            g = geometry(views, flat=True)
+            shifts = [_shift(a, base) for k, view in pair for a, base in zip(view, operands[k])]
+            if any(shifts):
+                g = g.copy()
+                g[: len(pair), 1:, -1] += np.array(shifts, np.int64).reshape(len(pair), 3)
+            rows = _rows_of(views)
+            blocks = scratch_blocks(None if parallel else 1, rows, d, dtype, stream == SCRATCH)
+            members = (pair[0][0], pair[-1][0])
+            self.calls.append((members, g, rows, blocks.shape))
+
+    def run(self, spec, operands, cos, sin, inverse, parallel):
+        stream, d = self.stream, operands[0][0].shape[-1]
+        flats = [_flat_operands([operand], stream)[:3] for operand in operands]
+        tail = (cos, sin, spec.segments, spec.rotary_dim, d, spec.half_style, inverse)
+        tail += (self.copy_tail,)
+        kernel = KERNELS[stream]
+        for (first, second), g, rows, shape in self.calls:
+            args = flats[first] + flats[second] + (g,) + tail
+            _run(kernel, args, np.empty(shape, args[1].dtype), rows, parallel)
+        return stream
+
+
+def _shift(a, base):
+    """Elements from the first address of ``base``'s memory to the first of ``a``'s."""
+    start = _arrays.pointer(a, NUMPY) + _arrays.span(a)[0]
+    return (start - _arrays.pointer(base, NUMPY) - _arrays.span(base)[0]) // a.itemsize
 
 
 def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):

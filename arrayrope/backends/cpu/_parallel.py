@@ -5,7 +5,9 @@ one-thread kernels of _rows, on Numba's threads.
 import numba
 import numpy as np
 from numba import config, njit, prange, types
+from numba.core import cgutils
 from numba.core.errors import NumbaError
+from numba.extending import intrinsic
 
 from ..._cache import Bounded
 from ._config import DISK_CACHE, run_parallel
@@ -30,15 +32,31 @@ def scratch_blocks(tasks, rows, d, dtype, streaming):
     return np.empty((tasks, block * d), dtype)
 
 
+@intrinsic
+def _function_at(typingctx, kernel_type, address):
+    """The first-class function of type ``kernel_type`` whose C wrapper is at ``address``."""
+    fnty = kernel_type.instance_type
+
+    def codegen(context, builder, signature, args):
+        function = cgutils.create_struct_proxy(fnty)(context, builder)  # zero-filled
+        function.c_addr = builder.inttoptr(args[1], context.get_value_type(types.voidptr))
+        return function._getvalue()
+
+    return fnty(kernel_type, address), codegen
+
+
 @njit(cache=DISK_CACHE, parallel=True)
 def rotate_parallel(
-    kernel, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch,
-    total,
+    kernel_type, address, x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv,
+    copy_tail, scratch, total,
 ):  # fmt: skip
     """The parallel entry point: rows 0..total-1 split into one task per scratch block, each a
-    call of ``kernel`` (a one-thread kernel of _rows, with the same arguments and its task's block).
-    ``kernel`` arrives as a function pointer (see :func:`launch_parallel`): this compiles once
-    per argument types for all of them, and no kernel's code is compiled into it."""
+    call of the kernel (a one-thread kernel of _rows, with the same arguments and its task's
+    block). The kernel arrives as the address of its C wrapper and its Numba type (see
+    :func:`launch_parallel`): this compiles once per argument types for all of them, no
+    kernel's code is compiled into it, and the call costs no Python (a function object passed
+    as such would be asked for its address and signature on every call)."""
+    kernel = _function_at(kernel_type, address)
     n = scratch.shape[0]
     for task in prange(n):
         t = np.int64(task)  # a prange index is unsigned; the kernel takes int64
@@ -48,24 +66,8 @@ def rotate_parallel(
         )  # fmt: skip
 
 
-class _Address:
-    """A compiled one-thread kernel as Numba's first-class function values see it: the address
-    of its C wrapper and its signature."""
-
-    __slots__ = ("address", "sig")
-
-    def __init__(self, address, sig):
-        self.address, self.sig = address, sig
-
-    def __wrapper_address__(self):
-        return self.address
-
-    def signature(self):
-        return self.sig
-
-
 # (kernel, the Numba fingerprints of the arguments) -> (rotate_parallel's entry point for those
-# types, the kernel's _Address)
+# types, the kernel's Numba type, the address of its C wrapper)
 _parallel_entries = Bounded(256)
 # The key is the Numba dispatcher's own type key of each argument: about a microsecond for a
 # launch's arguments, where numba.typeof of each would cost fifty.
@@ -109,8 +111,9 @@ def _pointer_entry(kernel, args, scratch):
     kernel.compile(sig.args)
     compiled = kernel.overloads[sig.args]
     address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cfunc_wrapper_name)
-    entry = rotate_parallel.compile((types.FunctionType(sig), *arg_types, types.int64))
-    return entry, _Address(address, sig)
+    kernel_type = types.FunctionType(sig)
+    entry_types = (numba.typeof(kernel_type), types.uint64, *arg_types, types.int64)
+    return rotate_parallel.compile(entry_types), kernel_type, address
 
 
 def launch_parallel(kernel, args, scratch, total):
@@ -128,8 +131,8 @@ def launch_parallel(kernel, args, scratch, total):
             except (AttributeError, KeyError, NumbaError):  # the internals moved
                 FUNCTION_POINTERS = False
         if found is not None:
-            entry, address = found
-            run_parallel(entry, address, *args, total)
+            entry, kernel_type, address = found
+            run_parallel(entry, kernel_type, address, *args, total)
             return
     entry = _plain_entries.get(kernel)
     if entry is None:
