@@ -772,3 +772,65 @@ def test_table_blocks_leave_short_operands_and_the_last_rows_as_they_are():
     assert blocks[0].shape == (64, 2, 4, 16, 16) and last[0].shape == (64, 4, 8, 16)
     (whole,) = cpu._chunked(operand, 32, False)
     assert whole is operand
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@given(
+    heads=st.integers(2, 4),
+    length=st.integers(2, 40),
+    d=st.sampled_from([16, 40, 64]),
+    dtype=st.sampled_from(DTYPES),
+    style=st.sampled_from(["interleaved", "half"]),
+    partial=st.booleans(),
+    way=st.sampled_from(["out", "in place", "rotate_qk"]),
+    stores=st.sampled_from(["direct, streaming", "vector", "plain"]),
+    shifts=st.lists(st.integers(0, 9), min_size=2, max_size=4),
+    read_only=st.lists(st.booleans(), min_size=4, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_launch_layout_worked_out_once_serves_every_call_of_it(
+    threads, heads, length, d, dtype, style, partial, way, stores, shifts, read_only, seed
+):
+    # cpu.launch works out a layout's store mode, table blocks and geometry once (_Recipe) and
+    # takes them for every later call of that layout: calls with the same shapes and strides,
+    # their outputs at other places against the 16-byte grid (another recipe) or the same, x
+    # read-only or not, write what a call that works them out afresh writes, and only there.
+    rng = np.random.default_rng(seed)
+    rotary_dim = 2 * int(rng.integers(1, d // 2 + 1)) if partial else d
+    rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
+    shapes = [(1, heads, length, d)] + ([(1, heads - 1, length, d)] if way == "rotate_qk" else [])
+    pos = rng.integers(0, 4096, length)
+    block_bytes = 4 * 2 * (rotary_dim // 2) * (8 if dtype == np.float64 else 4)  # 4 rows
+    config = {
+        "direct, streaming": lambda: _streaming(threads),
+        "vector": lambda: _vector(threads),
+        "plain": lambda: _config.override(
+            **PLAIN, serial_below=0 if threads == "parallel" else 1 << 62
+        ),
+    }[stores]()
+    with config, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu, "_TABLE_BLOCK_BYTES", block_bytes)
+        for shift, frozen in zip(shifts, read_only):
+            xs = [(rng.standard_normal(shape) * 3).astype(dtype) for shape in shapes]
+            results = []
+            for fresh in (False, True):
+                if fresh:
+                    cpu._recipes.clear()
+                buffers, outs = zip(*(_window(x.shape, dtype, shift, 0) for x in xs))
+                given_xs = list(xs)
+                if way == "in place":
+                    outs[0][...] = xs[0]
+                    given_xs[0] = outs[0]
+                elif frozen:
+                    given_xs[0] = xs[0].copy()
+                    given_xs[0].flags.writeable = False
+                _general(rope, tuple(given_xs), pos, outs)
+                for buffer, out in zip(buffers, outs):
+                    mask = np.ones(buffer.size, bool)
+                    mask[np.unique(_offsets(buffer, out))] = False
+                    assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside"
+                results.append(outs)
+            for reused, fresh in zip(*results):
+                np.testing.assert_array_equal(bits(reused), bits(fresh))
+            want = oracle(xs[0], pos, style=style, rotary_dim=rotary_dim)
+            assert_matches(results[0][0], want, xs[0])
