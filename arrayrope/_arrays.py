@@ -99,10 +99,31 @@ def refuse_masked(name, a):
         )
 
 
+def _data_field():
+    """The address of a NumPy array's data pointer field from the array object's own (the
+    ``data`` member of PyArrayObject, right after the object header), where probes confirm it;
+    else None. Reading it costs a tenth of building ``__array_interface__``, a dict, and a call
+    reads up to four addresses (alignment, overlap)."""
+    offset = object.__basicsize__
+    base = np.zeros(8)
+    probes = (base, base[3:], base[::-2], np.zeros((2, 3), np.float32).T)
+    read = ctypes.c_size_t.from_address
+    for a in probes:
+        if read(id(a) + offset).value != a.__array_interface__["data"][0]:
+            return None
+    return offset
+
+
+_DATA_FIELD = _data_field()
+_read_size_t = ctypes.c_size_t.from_address
+
+
 def pointer(a, array_family):
     """The address of ``a``'s element 0."""
     if array_family == CUPY:
         return a.data.ptr
+    if _DATA_FIELD is not None and type(a) is np.ndarray:
+        return _read_size_t(id(a) + _DATA_FIELD).value
     return a.__array_interface__["data"][0]
 
 

@@ -189,15 +189,19 @@ class GeneralPlan:
             return [(values, is_int, None)] * len(xs)
         return [_positions.check_values(values)] * len(xs)
 
-    def _tables(self, resolved, seq_len, capture, device):
-        """The frequency set's tables, cos, sin and one idx per operand: int64 table rows
+    def _frequencies(self, resolved, seq_len):
+        """(the highest position, -1 where the host does not know it; the frequency set's
+        tables for the call's length)."""
+        high = -1 if resolved[0][2] is None else max(h for _, _, h in resolved)
+        seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
+        return high, self.engine.freq_set(seq_len).tables
+
+    def _tables(self, resolved, seq_len, high, tables, capture, device):
+        """cos, sin and one idx per operand: int64 rows of the frequency set's ``tables``,
         shaped like its positions. ``capture``: the call is being captured in a CUDA graph, so
         it reads the table as it is (growing it would copy from the host). ``device``: the
         current device's id, None for NumPy."""
         unknown = resolved[0][2] is None  # device positions: all operands share them
-        high = -1 if unknown else max(h for _, _, h in resolved)
-        seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
-        tables = self.engine.freq_set(seq_len).tables
         xp = self.xp
         if all(is_int for _, is_int, _ in resolved):
             if capture:
@@ -222,7 +226,7 @@ class GeneralPlan:
             else:
                 cached = tables.cached(xp, device, self.table_dtype, max(int(high), 0))
             if cached is not None:
-                return tables, cached[0], cached[1], [values for values, _, _ in resolved]
+                return cached[0], cached[1], [values for values, _, _ in resolved]
         # Real-valued positions, or integers past the cache: one row per position entry.
         rows, idxs, count = [], [], 0
         for values, _, _ in resolved:
@@ -240,12 +244,12 @@ class GeneralPlan:
         flat = flat[0] if len(flat) == 1 else value_xp.concatenate(flat)
         if value_xp is np and all(is_int for _, is_int, _ in resolved):
             cos, sin = checked_rows(tables, self.table_dtype, flat)
-            return tables, cos, sin, idxs
+            return cos, sin, idxs
         flat = flat.astype(np.float64, copy=False)
         if unknown:
             flat = self.device.mark_invalid(xp, device, flat)
         cos, sin = tables.exact(value_xp, self.table_dtype, flat)
-        return tables, cos, sin, idxs  # host rows for a device: copied by device_rows
+        return cos, sin, idxs  # host rows for a device: copied by device_rows
 
     def _device(self):
         return None if self.family == NUMPY else self.xp.cuda.Device().id
@@ -257,17 +261,16 @@ class GeneralPlan:
             if capture:
                 self._check_capturable(xs, pos, outs, seq_len)
         resolved = self._positions(xs, pos, seq_len)
-        if self.family == NUMPY:
-            tables = self._past_cap_tables(resolved, seq_len)
-            if tables is not None:
-                results, in_place = self._results(xs, outs)
-                args = (self, xs, resolved, tables, inverse, results, in_place)
-                if not _past_cap.filled(*args):
-                    _past_cap.in_blocks(*args)
-                return results
+        high, tables = self._frequencies(resolved, seq_len)
+        if self.family == NUMPY and self._past_cap(resolved, high, tables):
+            results, in_place = self._results(xs, outs)
+            args = (self, xs, resolved, tables, inverse, results, in_place)
+            if not _past_cap.filled(*args):
+                _past_cap.in_blocks(*args)
+            return results
         if resolved[0][2] is None:  # positions the kernel checks: report at exit what is left
             self.device.arm(xp)
-        tables, cos, sin, idxs = self._tables(resolved, seq_len, capture, device)
+        cos, sin, idxs = self._tables(resolved, seq_len, high, tables, capture, device)
         if self.device is not None:
             idxs, cos, sin = self.device.device_rows(xp, device, idxs, cos, sin)
         results, in_place = self._results(xs, outs)
@@ -286,16 +289,11 @@ class GeneralPlan:
             _arrays.assign(out, temp)
         return results
 
-    def _past_cap_tables(self, resolved, seq_len):
-        """The tables of a call whose positions are integers reaching past the cache's cap,
-        or None. Such a NumPy call takes no per-call table as large as itself: it runs filled
+    def _past_cap(self, resolved, high, tables):
+        """Whether the call's positions are integers reaching past the cache's cap. Such a
+        NumPy call takes no per-call table as large as itself: it runs filled
         (``_past_cap.filled``) or in blocks (``_past_cap.in_blocks``)."""
-        if not all(is_int for _, is_int, _ in resolved):
-            return None
-        high = max(h for _, _, h in resolved)
-        seq_len = _positions.seq_len_for(self.spec.dynamic, seq_len, high)
-        tables = self.engine.freq_set(seq_len).tables
-        return tables if high >= tables.cap(self.table_dtype) else None
+        return high >= tables.cap(self.table_dtype) and all(i for _, i, _ in resolved)
 
     def _results(self, xs, outs):
         """The result arrays (new ones, or ``outs``) and, per operand, whether it is rotated in
