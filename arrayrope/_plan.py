@@ -148,6 +148,14 @@ class GeneralPlan:
         self.device = backends.device() if array_family == CUPY else None  # the GPU's hook
         self.in_place = tuple(outs is not None and out is x for x, out in zip(xs, outs or xs))
         self.nlead = max(1, max(x.ndim - 1 for x in xs))
+        # NumPy operands that a kernel takes as they are (see operand), known from the layout
+        self.as_they_are = array_family == NUMPY and all(
+            x.size
+            and x.ndim == self.nlead + 1
+            and _arrays.addressable(x, NUMPY)
+            and (x.flags.c_contiguous if outs is None else _arrays.addressable(out, NUMPY))
+            for x, out in zip(xs, outs or xs)
+        )
 
     def rotate(self, x, pos, inverse, out, seq_len):
         return self.run((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
@@ -255,7 +263,7 @@ class GeneralPlan:
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
-        xp, capture, device = self.xp, False, self._device()
+        xp, capture, device = self.xp, False, None if self.family == NUMPY else self._device()
         if self.device is not None:
             capture = self.device.begin(xp, device)
             if capture:
@@ -275,10 +283,15 @@ class GeneralPlan:
             idxs, cos, sin = self.device.device_rows(xp, device, idxs, cos, sin)
         results, in_place = self._results(xs, outs)
         operands, write_back = [], []
-        for x, out, idx, same in zip(xs, results, idxs, in_place):
-            if x.size == 0:
-                continue
-            operands.append(self.operand(x, out, idx, same, write_back))
+        if self.as_they_are:
+            for x, out, idx, same in zip(xs, results, idxs, in_place):
+                if idx.ndim <= self.nlead:
+                    idx = idx[(None,) * (self.nlead + 1 - idx.ndim)]
+                operands.append((out, out, idx) if same else (x, out, idx))
+        else:
+            for x, out, idx, same in zip(xs, results, idxs, in_place):
+                if x.size:
+                    operands.append(self.operand(x, out, idx, same, write_back))
         if operands:
             if self.device_checked:  # rows past the table are the kernel's to compute
                 freqs = tables if resolved[0][2] is None else None  # device positions only
