@@ -246,7 +246,9 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "The same rotation at both sizes, at positions 0..T-1 and at a single position, where "
         "every row of x reads one cos/sin row that stays in the first-level cache: the gap "
         "between the two is what reading a row for each row of x costs (`bench/shapes.py`'s "
-        "`row_cost`).",
+        "`row_cost`). `without the kernel` is the call at positions 0..T-1 with its kernel "
+        "launch left out, as a share of the whole call's time: its own work before the kernel, "
+        "timed right after the copies have passed through the cache, as the rest is.",
         "",
         shapes.row_cost_report(row_cost),
         "",

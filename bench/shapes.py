@@ -25,7 +25,8 @@ the rotation reads a cos/sin row for each row of x; the copy moves each line onc
 After the matrix, :func:`row_cost` times full rotary at d = 128 at both sizes once more at a
 single position for every row, where that cos/sin row stays in the first-level cache: against
 the rows at positions 0..T-1, the gap between the two is what reading a cos/sin row for each
-row of x costs.
+row of x costs. It also times the call with its kernel launch left out: the call's own work,
+which in cache is a visible part of the whole.
 """
 
 import argparse
@@ -121,16 +122,23 @@ def matrix(nbytes, repeats):
 
 
 def row_cost(nbytes, repeats):
-    """[(dtype, of copy, of copy at one position)]: (1, 32, T, 128) ``rope.rotate(x, out=o)``,
-    half style, x of about ``nbytes`` bytes, at positions 0..T-1 and at position 0 for every
-    row. At one position each row of x reads the same cos/sin row, which stays in the
-    first-level cache; at T positions each row reads its own, which the call keeps in the
-    core's cache a block of positions at a time through every head (see backends.cpu.launch).
-    The gap between the two is what reading the rows costs the rotation on this machine."""
+    """[(dtype, of copy, of copy at one position, share without the kernel)]: (1, 32, T, 128)
+    ``rope.rotate(x, out=o)``, half style, x of about ``nbytes`` bytes, at positions 0..T-1 and
+    at position 0 for every row. At one position each row of x reads the same cos/sin row,
+    which stays in the first-level cache; at T positions each row reads its own, which the call
+    keeps in the core's cache a block of positions at a time through every head (see
+    backends.cpu.launch). The gap between the two is what reading the rows costs the rotation
+    on this machine.
+
+    The last figure is the time of the call at positions 0..T-1 with its kernel launch left
+    out, over the whole call's: the call's own work before its kernel, timed as the rest is,
+    each call right after the copies, whose bytes have passed through the cache (as a model's
+    other work does between its calls)."""
     import ml_dtypes
     from numba import njit, prange
 
     import arrayrope as ar
+    from arrayrope.backends import cpu
     from bench import paired
 
     @njit(parallel=True, cache=True)
@@ -147,9 +155,14 @@ def row_cost(nbytes, repeats):
         zeros = np.zeros(length, dtype=np.int64)
         s, t = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
         ceilings = [lambda: np.copyto(out, x), lambda: threaded_copy(s, t)]
-        rows = paired(lambda: rope.rotate(x, out=out), ceilings, repeats)[2]
+        whole = paired(lambda: rope.rotate(x, out=out), ceilings, repeats)
         one = paired(lambda: rope.rotate(x, zeros, out=out), ceilings, repeats)[2]
-        found.append((np.dtype(dtype).name, rows, one))
+        launch, cpu._run = cpu._run, lambda *args: None  # every launch of cpu.launch
+        try:
+            alone = paired(lambda: rope.rotate(x, out=out), ceilings, repeats)[0]
+        finally:
+            cpu._run = launch
+        found.append((np.dtype(dtype).name, whole[2], one, alone / whole[0]))
     return found
 
 
@@ -159,24 +172,26 @@ def row_costs(repeats):
 
 
 def row_cost_report(costs):
-    """A markdown table of :func:`row_costs`'s rows, a pair of columns per size."""
+    """A markdown table of :func:`row_costs`'s rows, three columns per size."""
     head = ["dtype"]
     for name in costs:
-        head += [f"0..T-1, {name}", f"one position, {name}"]
+        head += [f"0..T-1, {name}", f"one position, {name}", f"without the kernel, {name}"]
     sizes_said = ", ".join(
         f"x of {nbytes / 2**20:g} MiB {name}" for name, (nbytes, _) in costs.items()
     )
     lines = [
         f"the cos/sin rows' cost: (1, 32, T, 128) half style ({sizes_said}), speed as a "
         "fraction of the copy's at positions 0..T-1 and at one position (the gap between the "
-        "two is the rows' reads):",
+        "two is the rows' reads), and the call's time with its kernel launch left out as a "
+        "share of the whole call's (its own work before the kernel):",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
     columns = [found for _, found in costs.values()]
     for cases in zip(*columns):
-        cells = [cases[0][0]] + [f"{v:.2f}" for _, rows, one in cases for v in (rows, one)]
+        cells = [cases[0][0]]
+        cells += [f"{v:.2f}" for _, rows, one, alone in cases for v in (rows, one, alone)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
