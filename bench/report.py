@@ -239,7 +239,8 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "mode (above 1: slower). In cache, each of the rotation's plain stores reads its line "
         "before writing it, and the rotation reads a cos/sin row for each row of x (as many "
         "bytes as the row in float32, twice as many for the 2-byte types); the copy moves each "
-        "line once.",
+        "line once. The call's own work before its kernel is a visible part of a call this "
+        "short (`without the kernel`, below).",
         "",
         shapes.report(matrix),
         "",
