@@ -684,6 +684,26 @@ def test_half_rows_longer_than_a_paired_row_holds_take_another_path(dtype, strea
             np.testing.assert_array_equal(bits(out), bits(want))
 
 
+def _stores(stores, threads):
+    """The configuration of a way of storing results, by name, on one thread or on all."""
+    return {
+        "direct, streaming": lambda: _streaming(threads),
+        "scratch, streaming": lambda: _streaming(threads, vector_rows=False),
+        "vector": lambda: _vector(threads),
+        "plain": lambda: _config.override(
+            **PLAIN, serial_below=0 if threads == "parallel" else 1 << 62
+        ),
+    }[stores]()
+
+
+def _assert_written_inside(buffers, outs):
+    """Every element of each poisoned buffer outside its output still poison."""
+    for buffer, out in zip(buffers, outs):
+        mask = np.ones(buffer.size, bool)
+        mask[np.unique(_offsets(buffer, out))] = False
+        assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+
+
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @given(
     batch=st.integers(1, 3),
@@ -731,22 +751,12 @@ def test_table_blocks_taken_through_every_head_write_what_one_pass_writes(
         if way == "in place":
             outs[0][...] = xs[0]
             given_xs = outs
-        config = {
-            "direct, streaming": lambda: _streaming(threads),
-            "scratch, streaming": lambda: _streaming(threads, vector_rows=False),
-            "vector": lambda: _vector(threads),
-            "plain": lambda: _config.override(
-                **PLAIN, serial_below=0 if threads == "parallel" else 1 << 62
-            ),
-        }[stores]()
+        config = _stores(stores, threads)
         with config, pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu, "_TABLE_BLOCK_BYTES", block_bytes)
             patch.setattr(cpu, "_chunked", recorded)
             _general(rope, tuple(given_xs), pos, outs)
-        for buffer, out in zip(buffers, outs):
-            mask = np.ones(buffer.size, bool)
-            mask[np.unique(_offsets(buffer, out))] = False
-            assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
+        _assert_written_inside(buffers, outs)
         results.append(outs)
     if length >= 2 * block_rows and block_rows > 1:
         assert any(reordered)  # the blocked order was taken
@@ -801,14 +811,7 @@ def test_a_launch_layout_worked_out_once_serves_every_call_of_it(
     shapes = [(1, heads, length, d)] + ([(1, heads - 1, length, d)] if way == "rotate_qk" else [])
     pos = rng.integers(0, 4096, length)
     block_bytes = 4 * 2 * (rotary_dim // 2) * (8 if dtype == np.float64 else 4)  # 4 rows
-    config = {
-        "direct, streaming": lambda: _streaming(threads),
-        "vector": lambda: _vector(threads),
-        "plain": lambda: _config.override(
-            **PLAIN, serial_below=0 if threads == "parallel" else 1 << 62
-        ),
-    }[stores]()
-    with config, pytest.MonkeyPatch.context() as patch:
+    with _stores(stores, threads), pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_TABLE_BLOCK_BYTES", block_bytes)
         for shift, frozen in zip(shifts, read_only):
             xs = [(rng.standard_normal(shape) * 3).astype(dtype) for shape in shapes]
@@ -825,10 +828,7 @@ def test_a_launch_layout_worked_out_once_serves_every_call_of_it(
                     given_xs[0] = xs[0].copy()
                     given_xs[0].flags.writeable = False
                 _general(rope, tuple(given_xs), pos, outs)
-                for buffer, out in zip(buffers, outs):
-                    mask = np.ones(buffer.size, bool)
-                    mask[np.unique(_offsets(buffer, out))] = False
-                    assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside"
+                _assert_written_inside(buffers, outs)
                 results.append(outs)
             for reused, fresh in zip(*results):
                 np.testing.assert_array_equal(bits(reused), bits(fresh))
