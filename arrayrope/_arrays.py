@@ -99,6 +99,9 @@ def refuse_masked(name, a):
         )
 
 
+_read_size_t = ctypes.c_size_t.from_address
+
+
 def _data_field():
     """The address of a NumPy array's data pointer field from the array object's own (the
     ``data`` member of PyArrayObject, right after the object header), where probes confirm it;
@@ -107,15 +110,13 @@ def _data_field():
     offset = object.__basicsize__
     base = np.zeros(8)
     probes = (base, base[3:], base[::-2], np.zeros((2, 3), np.float32).T)
-    read = ctypes.c_size_t.from_address
     for a in probes:
-        if read(id(a) + offset).value != a.__array_interface__["data"][0]:
+        if _read_size_t(id(a) + offset).value != a.__array_interface__["data"][0]:
             return None
     return offset
 
 
 _DATA_FIELD = _data_field()
-_read_size_t = ctypes.c_size_t.from_address
 
 
 def pointer(a, array_family):

@@ -285,8 +285,7 @@ class GeneralPlan:
         operands, write_back = [], []
         if self.as_they_are:
             for x, out, idx, same in zip(xs, results, idxs, in_place):
-                if idx.ndim <= self.nlead:
-                    idx = idx[(None,) * (self.nlead + 1 - idx.ndim)]
+                idx = self._leading(idx)
                 operands.append((out, out, idx) if same else (x, out, idx))
         else:
             for x, out, idx, same in zip(xs, results, idxs, in_place):
@@ -395,6 +394,10 @@ class GeneralPlan:
             padded = x[pad]
             out = padded if out is x else out[pad]
             x = padded
+        return x, out, self._leading(idx)
+
+    def _leading(self, idx):
+        """``idx`` with leading axes of size 1 up to the kernels' number of leading axes."""
         if idx.ndim < self.nlead + 1:
             idx = idx[(None,) * (self.nlead + 1 - idx.ndim)]
-        return x, out, idx
+        return idx
