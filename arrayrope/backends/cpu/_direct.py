@@ -74,10 +74,15 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
     if chunked:  # every dtype: chunks of VECTOR_BYTES, then 32 and 16 (see chunk_walk)
         walks = tuple(chunk_walk(half, widths, nontemporal) for half in (True, False))
-        ladders = {True: walks, False: walks}
+        ladders = {True: walks + walks[:1], False: walks + walks[:1]}
     else:
+        # (half style, interleaved, half style in address order: see ladder's split)
         ladders = {
-            wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
+            wide: (
+                ladder(True, w, nontemporal, aligned),
+                ladder(False, w, nontemporal, aligned),
+                ladder(True, w, nontemporal, aligned, split=True),
+            )
             for wide, w in ((True, widths), (False, narrow_widths))
         }
     copy_16 = copy_bytes(nontemporal, 16, aligned)
@@ -154,7 +159,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # for, which the memory system serves poorly out of cache.) The loop over runs is in the
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
-        half_row, pair_row = ladders[o.dtype.bitwidth > 16]
+        half_row, pair_row, split_row = ladders[o.dtype.bitwidth > 16]
+        splits = o.dtype.bitwidth > 16 or chunked  # see ladder's split
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
@@ -163,7 +169,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             inner = g.shape[1] - 2
             sx, so, sp = g[1, inner], g[2, inner], g[3, inner]
             axis = seg[0, 2] * g[0, inner + 1]  # one run of pairs: see direct_path
-            width = rotary_dim if _same(x, o) else d
+            same = _same(x, o)
+            width = rotary_dim if same else d
             stride = np.uint64(cos.strides[0] // cos.itemsize)  # sin's too: see direct_path
             n = np.uint64(rotary_dim)
             # where the tail's copy starts (chunked: past the walk's last chunk, on the grid)
@@ -181,11 +188,18 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                     c1 = min(c0 + chunk, run)
                     at = pb + c0 * sp + axis
                     held, held_rows = fill_chunk(source, idx, at, sp, c1 - c0, held, held_rows)
-                    if half:
+                    if half and (same or not splits):
                         for r in range(c0, c1):
                             tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
                             xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
                             half_row(x, xr, o, orow, n, cos, sin, tb, inv)
+                            if tails:
+                                copy_tail(x, xr, o, orow, tail_at, end)
+                    elif half:
+                        for r in range(c0, c1):
+                            tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
+                            xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
+                            split_row(x, xr, o, orow, n, cos, sin, tb, inv)
                             if tails:
                                 copy_tail(x, xr, o, orow, tail_at, end)
                     else:

@@ -32,21 +32,30 @@ def variant(fn, *parts):
     return fn
 
 
-def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
+def ladder(half, widths, nontemporal, aligned=True, one_dtype=False, split=False):
     """A function ``rotate(x, xr, o, orow, n, cos, sin, t, inverse)`` for Numba: rotate the
     ``n`` rotary elements of the row of o at flat offset ``orow`` from the row of x at ``xr``
     (pairs (j, j + n/2) where ``half``, else (2j, 2j + 1)), by the table row at offset ``t`` of
     cos and sin, in steps of ``widths`` bytes (two or three: see the module). The offsets and
     ``n`` share one integer type, signed or unsigned, which the ladder keeps. ``one_dtype``:
     where x's and o's dtypes differ, the ladder does nothing (for a call its caller skips at
-    run time there, which then costs no compiled steps)."""
+    run time there, which then costs no compiled steps).
+
+    ``split`` (for rows not rotated in place): the half style's rows of 4- and 8-byte elements
+    are written in address order, the ladder over the pairs storing the first half's results,
+    then again storing the second's (each step reads its x and table elements again, from the
+    first-level cache by then). Stores alternating between the two halves, h elements apart,
+    keep two runs of lines half written at once, which ran the row loop at about two thirds of
+    a copy's speed in cache. Rows rotated in place, whose lines are read before they are
+    written, and the 2-byte types, which would convert each element twice, keep one pass:
+    there the second pass costs more than the order saves."""
     if len(widths) not in (2, 3):
         raise ValueError(f"a ladder has two or three steps, got widths {widths}")
-    first, *rest = (row_step(half, w, nontemporal, aligned) for w in widths)
-    has_middle = len(rest) == 2
-    middle = rest[0] if has_middle else first  # typed, never run
-    last = rest[-1]
-    last_repeats = widths[-1] is None
+    walk_both = _walk(half, widths, nontemporal, aligned, None)
+    split = split and half
+    walk_first, walk_second = (
+        _walk(half, widths, nontemporal, aligned, p) for p in ("first", "second")
+    ) if split else (walk_both, walk_both)  # fmt: skip
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part (see :func:`ladder`)."""
@@ -60,7 +69,39 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
             def nothing(x, xr, o, orow, n, cos, sin, t, inverse):
                 return None
 
-            return variant(nothing, "none", half, widths, nontemporal, aligned)
+            return variant(nothing, "none", half, widths, nontemporal, aligned, split)
+
+        if split and o.dtype.bitwidth >= 32:
+
+            def impl(x, xr, o, orow, n, cos, sin, t, inverse):
+                walk_first(x, xr, o, orow, n, cos, sin, t, inverse)
+                walk_second(x, xr, o, orow, n, cos, sin, t, inverse)
+
+        else:
+
+            def impl(x, xr, o, orow, n, cos, sin, t, inverse):
+                walk_both(x, xr, o, orow, n, cos, sin, t, inverse)
+
+        return variant(impl, "half" if half else "pairs", widths, nontemporal, aligned, split)
+
+    return rotate
+
+
+def _walk(half, widths, nontemporal, aligned, part):
+    """One pass of a ladder over a row (see :func:`ladder`), its steps storing ``part`` (see
+    _simd._half_step; None: all results)."""
+    first, *rest = (row_step(half, w, nontemporal, aligned, part) for w in widths)
+    has_middle = len(rest) == 2
+    middle = rest[0] if has_middle else first  # typed, never run
+    last = rest[-1]
+    last_repeats = widths[-1] is None
+
+    def walk(x, xr, o, orow, n, cos, sin, t, inverse):
+        """One pass over a row's rotary part."""
+
+    # inlined in Numba's IR into the ladder's function, which is compiled once per signature
+    @overload(walk, inline="always")
+    def walk_impl(x, xr, o, orow, n, cos, sin, t, inverse):
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
         # elements per step along the loop's j, which counts pairs where half, else elements
@@ -85,9 +126,11 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False):
             elif j < limit:
                 last(x, xr, o, orow, h, cos, sin, t, j, inverse)
 
-        return variant(impl, "half" if half else "pairs", widths, nontemporal, aligned)
+        return variant(
+            impl, "walk", part, "half" if half else "pairs", widths, nontemporal, aligned
+        )
 
-    return rotate
+    return walk
 
 
 # The rotary parts _paired.paired_row holds, in elements of a 2-byte type (see takes_paired_row)

@@ -341,14 +341,18 @@ def _signed_sin(builder, sin, inverse):
     return builder.bitcast(builder.xor(builder.bitcast(sin, words), mask), sin.type)
 
 
-def row_step(half, nbytes, nontemporal, aligned=True):
+def row_step(half, nbytes, nontemporal, aligned=True, part=None):
     """The step of :func:`_half_step` (``half``) or :func:`_pair_step` at element j of a row, in
     one signature for both styles: an intrinsic ``step(x, xr, o, orow, h, cos, sin, t, j,
     inverse)`` that reads x from xr + j, stores to orow + j and reads the tables at t + j
     (half) or t + j / 2 (interleaved: one table entry per pair); h is unused there. Its index
     arithmetic is made here rather than by an inlined helper: Numba's inlining of a helper at
-    each call site costs compile time that an intrinsic does not."""
-    inner = (_half_step if half else _pair_step)(nbytes, nontemporal, aligned)
+    each call site costs compile time that an intrinsic does not. ``part`` (half only): see
+    :func:`_half_step`."""
+    if half:
+        inner = _half_step(nbytes, nontemporal, aligned, part)
+    else:
+        inner = _pair_step(nbytes, nontemporal, aligned)
 
     @intrinsic
     def step(typingctx, x, xr, o, orow, h, cos, sin, t, j, inverse):
@@ -373,11 +377,15 @@ def row_step(half, nbytes, nontemporal, aligned=True):
     return step
 
 
-def _half_step(nbytes, nontemporal, aligned=True):
+def _half_step(nbytes, nontemporal, aligned=True, part=None):
     """An intrinsic's definition (typing, then codegen) of a step rotating the pairs
     (j, j + h) for the ``nbytes`` of o from o[oa] on (None: one pair): x read from x[xa] and
     x[xa + h], tables from cos[t], sin[t]. _pairs's arithmetic, in vectors. It stores as
-    _stream_lanes's ``nontemporal`` and ``aligned`` say."""
+    _stream_lanes's ``nontemporal`` and ``aligned`` say. ``part`` "first" stores only the
+    results at j, "second" only those at j + h (the same arithmetic: the same bits), None
+    both."""
+    if part not in (None, "first", "second"):
+        raise ValueError(f"no half step for part {part!r}")
 
     def step(typingctx, x, xa, o, oa, h, cos, sin, t, inverse):
         lanes = _lanes_of(o, nbytes)
@@ -391,11 +399,13 @@ def _half_step(nbytes, nontemporal, aligned=True):
             s = _signed_sin(
                 builder, _load_lanes(context, builder, tys[6], sin_, t_, lanes), inverse_
             )
-            first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
-            second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
-            _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal, aligned)
-            second_at = builder.add(oa_, h_)
-            _stream_lanes(context, builder, tys[2], o_, second_at, second, nontemporal, aligned)
+            if part != "second":
+                first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
+                _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal, aligned)
+            if part != "first":
+                second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
+                second_at = builder.add(oa_, h_)
+                _stream_lanes(context, builder, tys[2], o_, second_at, second, nontemporal, aligned)
             return context.get_dummy_value()
 
         return types.void(x, xa, o, oa, h, cos, sin, t, inverse), codegen
