@@ -219,9 +219,10 @@ def _filled_stream(spec, operands, segments, cos, sin):
 # Bytes of a task's buffer of filled rows (see launch_filled). Its rows are a chunk's positions,
 # and each head's rows at them are one run in memory: the longer the runs, the closer the loop
 # comes to a copy's streaming (runs of tens of KiB per head, a buffer in the first-level cache,
-# fall well short of it). A megabyte keeps the buffer in the core's outer caches; on many
-# threads, the buffers together take at most _ALL_FILL_BYTES.
-_FILL_BYTES = 1 << 20
+# fall well short of it). Half a megabyte stays in the core's second-level cache beside the
+# rows streaming through it, where a buffer of a megabyte or more is partly evicted before the
+# last head has read it; on many threads, the buffers together take at most _ALL_FILL_BYTES.
+_FILL_BYTES = 512 << 10
 _ALL_FILL_BYTES = 16 << 20
 
 
