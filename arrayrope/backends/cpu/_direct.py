@@ -160,7 +160,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
         half_row, pair_row, split_row = ladders[o.dtype.bitwidth > 16]
-        splits = o.dtype.bitwidth > 16 or chunked  # see ladder's split
+        # the half style's split ladder: 4- and 8-byte rows (chunk walks are in address order)
+        splits = o.dtype.bitwidth > 16 and not chunked
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
@@ -188,7 +189,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                     c1 = min(c0 + chunk, run)
                     at = pb + c0 * sp + axis
                     held, held_rows = fill_chunk(source, idx, at, sp, c1 - c0, held, held_rows)
-                    if half and (same or not splits):
+                    if half and (same or not splits):  # in place: one pass (see ladder)
                         for r in range(c0, c1):
                             tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
                             xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)

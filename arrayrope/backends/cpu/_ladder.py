@@ -41,21 +41,20 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False, split=False
     where x's and o's dtypes differ, the ladder does nothing (for a call its caller skips at
     run time there, which then costs no compiled steps).
 
-    ``split`` (for rows not rotated in place): the half style's rows of 4- and 8-byte elements
-    are written in address order, the ladder over the pairs storing the first half's results,
-    then again storing the second's (each step reads its x and table elements again, from the
+    ``split`` (never for rows rotated in place: the second pass reads the first half, which
+    the first pass has overwritten there): the half style's rows of 4- and 8-byte elements are
+    written in address order, the ladder over the pairs storing the first half's results, then
+    again storing the second's (each step reads its x and table elements again, from the
     first-level cache by then). Stores alternating between the two halves, h elements apart,
-    keep two runs of lines half written at once, which ran the row loop at about two thirds of
-    a copy's speed in cache. Rows rotated in place, whose lines are read before they are
-    written, and the 2-byte types, which would convert each element twice, keep one pass:
-    there the second pass costs more than the order saves."""
+    keep two runs of lines half written at once, which the caches take more slowly than one
+    run. The 2-byte types keep one pass: converting each element twice costs them more than
+    the order saves."""
     if len(widths) not in (2, 3):
         raise ValueError(f"a ladder has two or three steps, got widths {widths}")
-    walk_both = _walk(half, widths, nontemporal, aligned, None)
     split = split and half
-    walk_first, walk_second = (
-        _walk(half, widths, nontemporal, aligned, p) for p in ("first", "second")
-    ) if split else (walk_both, walk_both)  # fmt: skip
+    both = _steps(half, widths, nontemporal, aligned, None)
+    firsts = _steps(half, widths, nontemporal, aligned, "first") if split else both
+    last_repeats = widths[-1] is None
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part (see :func:`ladder`)."""
@@ -70,38 +69,9 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False, split=False
                 return None
 
             return variant(nothing, "none", half, widths, nontemporal, aligned, split)
-
-        if split and o.dtype.bitwidth >= 32:
-
-            def impl(x, xr, o, orow, n, cos, sin, t, inverse):
-                walk_first(x, xr, o, orow, n, cos, sin, t, inverse)
-                walk_second(x, xr, o, orow, n, cos, sin, t, inverse)
-
-        else:
-
-            def impl(x, xr, o, orow, n, cos, sin, t, inverse):
-                walk_both(x, xr, o, orow, n, cos, sin, t, inverse)
-
-        return variant(impl, "half" if half else "pairs", widths, nontemporal, aligned, split)
-
-    return rotate
-
-
-def _walk(half, widths, nontemporal, aligned, part):
-    """One pass of a ladder over a row (see :func:`ladder`), its steps storing ``part`` (see
-    _simd._half_step; None: all results)."""
-    first, *rest = (row_step(half, w, nontemporal, aligned, part) for w in widths)
-    has_middle = len(rest) == 2
-    middle = rest[0] if has_middle else first  # typed, never run
-    last = rest[-1]
-    last_repeats = widths[-1] is None
-
-    def walk(x, xr, o, orow, n, cos, sin, t, inverse):
-        """One pass over a row's rotary part."""
-
-    # inlined in Numba's IR into the ladder's function, which is compiled once per signature
-    @overload(walk, inline="always")
-    def walk_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+        passes = 2 if split and o.dtype.bitwidth >= 32 else 1
+        first, middle, last = firsts if passes == 2 else both
+        has_middle = len(widths) == 3
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
         # elements per step along the loop's j, which counts pairs where half, else elements
@@ -112,25 +82,41 @@ def _walk(half, widths, nontemporal, aligned, part):
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
             h = n // two
             limit = h if half else n
-            j = n - n  # zero, of the offsets' type
-            while j + wide <= limit:
-                first(x, xr, o, orow, h, cos, sin, t, j, inverse)
-                j += wide
-            if has_middle and j + mid <= limit:
-                middle(x, xr, o, orow, h, cos, sin, t, j, inverse)
-                j += mid
-            if last_repeats:
-                while j < limit:
-                    last(x, xr, o, orow, h, cos, sin, t, j, inverse)
-                    j += narrow
-            elif j < limit:
-                last(x, xr, o, orow, h, cos, sin, t, j, inverse)
+            zero = n - n  # of the offsets' type
+            for p in range(passes):
+                # The second of two passes writes the pairs' second halves by the steps that
+                # write first halves: each element at j + h, its partner h before it (the
+                # offset wraps where unsigned), sin's sign turned: b c - a (-s) is b c + a s,
+                # bit for bit (a NaN result's sign aside).
+                shift = h if p else zero
+                partner = zero - h if p else h
+                flip = inverse != (p == 1)
+                xp, op = xr + shift, orow + shift
+                j = zero
+                while j + wide <= limit:
+                    first(x, xp, o, op, partner, cos, sin, t, j, flip)
+                    j += wide
+                if has_middle and j + mid <= limit:
+                    middle(x, xp, o, op, partner, cos, sin, t, j, flip)
+                    j += mid
+                if last_repeats:
+                    while j < limit:
+                        last(x, xp, o, op, partner, cos, sin, t, j, flip)
+                        j += narrow
+                elif j < limit:
+                    last(x, xp, o, op, partner, cos, sin, t, j, flip)
 
-        return variant(
-            impl, "walk", part, "half" if half else "pairs", widths, nontemporal, aligned
-        )
+        name = "split" if passes == 2 else "half" if half else "pairs"
+        return variant(impl, name, widths, nontemporal, aligned, split)
 
-    return walk
+    return rotate
+
+
+def _steps(half, widths, nontemporal, aligned, part):
+    """A ladder's steps (the widest, the middle one, the last; the widest again where there
+    are two widths: typed, never run), storing ``part`` (see _simd._half_step)."""
+    first, *rest = (row_step(half, w, nontemporal, aligned, part) for w in widths)
+    return first, rest[0] if len(rest) == 2 else first, rest[-1]
 
 
 # The rotary parts _paired.paired_row holds, in elements of a 2-byte type (see takes_paired_row)

@@ -382,9 +382,8 @@ def _half_step(nbytes, nontemporal, aligned=True, part=None):
     (j, j + h) for the ``nbytes`` of o from o[oa] on (None: one pair): x read from x[xa] and
     x[xa + h], tables from cos[t], sin[t]. _pairs's arithmetic, in vectors. It stores as
     _stream_lanes's ``nontemporal`` and ``aligned`` say. ``part`` "first" stores only the
-    results at j, "second" only those at j + h (the same arithmetic: the same bits), None
-    both."""
-    if part not in (None, "first", "second"):
+    results at j (h may then be any offset: see _ladder.ladder's split), None both."""
+    if part not in (None, "first"):
         raise ValueError(f"no half step for part {part!r}")
 
     def step(typingctx, x, xa, o, oa, h, cos, sin, t, inverse):
@@ -399,10 +398,9 @@ def _half_step(nbytes, nontemporal, aligned=True, part=None):
             s = _signed_sin(
                 builder, _load_lanes(context, builder, tys[6], sin_, t_, lanes), inverse_
             )
-            if part != "second":
-                first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
-                _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal, aligned)
-            if part != "first":
+            first = builder.fsub(builder.fmul(a, c), builder.fmul(b, s))
+            _stream_lanes(context, builder, tys[2], o_, oa_, first, nontemporal, aligned)
+            if part is None:
                 second = builder.fadd(builder.fmul(b, c), builder.fmul(a, s))
                 second_at = builder.add(oa_, h_)
                 _stream_lanes(context, builder, tys[2], o_, second_at, second, nontemporal, aligned)
