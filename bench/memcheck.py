@@ -22,8 +22,12 @@ those inside arrayrope's kernels or anything but the dynamic loader (expected: z
 dynamic loader's own (glibc's word-wise string reads while it loads libraries, which memcheck
 reports on every Python process). Exits 1 when any of the first kind is found.
 
-Needs ``valgrind`` on PATH. Numba compiles its kernels once more for Valgrind's CPU model, the
-first time (about 10 minutes per configuration), and keeps them in the disk cache.
+Needs ``valgrind`` on PATH. Under Valgrind, Numba sees another CPU model (Valgrind's, without
+AVX-512 say) and would compile every kernel for it under Valgrind before the first case, for an
+hour or more. So each configuration first runs natively with Numba told Valgrind's model
+(NUMBA_CPU_NAME, NUMBA_CPU_FEATURES, read by a query under ``valgrind --tool=none``): that fills
+Numba's disk cache with the kernels the run under memcheck then loads. The time reported is
+the run under memcheck.
 """
 
 import argparse
@@ -66,6 +70,38 @@ def from_loader(stack):
     return any(name in frame for frame in stack for name in _LOADER)
 
 
+def valgrind_cpu(valgrind):
+    """{NUMBA_CPU_NAME, NUMBA_CPU_FEATURES} of the CPU model Numba sees under Valgrind."""
+    query = (
+        "import llvmlite.binding as ll; ll.initialize_native_target(); "
+        "print(ll.get_host_cpu_name()); print(ll.get_host_cpu_features().flatten())"
+    )
+    done = subprocess.run(
+        [valgrind, "-q", "--tool=none", sys.executable, "-c", query],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    name, features = done.stdout.split()[-2:]
+    return {"NUMBA_CPU_NAME": name, "NUMBA_CPU_FEATURES": features}
+
+
+def worker_env(env):
+    return {**os.environ, **env, "PYTHONMALLOC": "malloc", "MEMORY_CASES_ALLOCATION": "heap"}
+
+
+def prime(cases, env, cpu):
+    """Run the worker on ``cases`` natively for the CPU model ``cpu`` (see valgrind_cpu), so
+    that Numba's disk cache holds the kernels a run under Valgrind takes."""
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "memory_cases.py")],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env={**worker_env(env), **cpu},
+    )
+
+
 def run(cases, env, valgrind):
     with tempfile.TemporaryDirectory() as folder:
         spec = os.path.join(folder, "cases.json")
@@ -82,12 +118,7 @@ def run(cases, env, valgrind):
             sys.executable,
             os.path.join(ROOT, "tests", "memory_cases.py"),
         ]
-        child_env = {
-            **os.environ,
-            **env,
-            "PYTHONMALLOC": "malloc",
-            "MEMORY_CASES_ALLOCATION": "heap",
-        }
+        child_env = worker_env(env)
         start = time.perf_counter()
         with open(spec) as stdin:
             done = subprocess.run(
@@ -178,7 +209,9 @@ def main():
     rows, bad = dict(kept), []
     for name in kept:
         print(kept[name] + "  (kept)", flush=True)
+    cpu = valgrind_cpu(valgrind)
     for name, env in configs.items():
+        prime(cases, env, cpu)
         ok, failed, found, seconds, code = run(cases, env, valgrind)
         ours = [e for e in found if not from_loader(e[1])]
         rows[name] = (
