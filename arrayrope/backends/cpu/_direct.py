@@ -160,8 +160,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
         half_row, pair_row, split_row = ladders[o.dtype.bitwidth > 16]
-        # the half style's split ladder: 4- and 8-byte rows (chunk walks are in address order)
-        splits = o.dtype.bitwidth > 16 and not chunked
+        # the half style's split ladder: 4- and 8-byte rows with plain stores (chunk walks are in
+        # address order already; streaming stores, whose write-combining buffers join each
+        # line's pieces in either order, ran no faster with it)
+        splits = o.dtype.bitwidth > 16 and not chunked and not nontemporal
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):

@@ -42,13 +42,13 @@ def ladder(half, widths, nontemporal, aligned=True, one_dtype=False, split=False
     run time there, which then costs no compiled steps).
 
     ``split`` (never for rows rotated in place: the second pass reads the first half, which
-    the first pass has overwritten there): the half style's rows of 4- and 8-byte elements are
-    written in address order, the ladder over the pairs storing the first half's results, then
-    again storing the second's (each step reads its x and table elements again, from the
-    first-level cache by then). Stores alternating between the two halves, h elements apart,
-    keep two runs of lines half written at once, which the caches take more slowly than one
-    run. The 2-byte types keep one pass: converting each element twice costs them more than
-    the order saves."""
+    the first pass has overwritten there; the direct path takes it with plain stores only):
+    the half style's rows of 4- and 8-byte elements are written in address order, the ladder
+    over the pairs storing the first half's results, then again storing the second's (each
+    step reads its x and table elements again, from the first-level cache by then). Stores
+    alternating between the two halves, h elements apart, keep two runs of lines half written
+    at once, which the caches take more slowly than one run. The 2-byte types keep one pass:
+    converting each element twice costs them more than the order saves."""
     if len(widths) not in (2, 3):
         raise ValueError(f"a ladder has two or three steps, got widths {widths}")
     split = split and half
