@@ -74,17 +74,18 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         widths, narrow_widths = (32, None), (16, None)  # 4- and 8-byte types; 2-byte types
     if chunked:  # every dtype: chunks of VECTOR_BYTES, then 32 and 16 (see chunk_walk)
         walks = tuple(chunk_walk(half, widths, nontemporal) for half in (True, False))
-        ladders = {True: walks + walks[:1], False: walks + walks[:1]}
+        ladders = {True: walks, False: walks}
     else:
-        # (half style, interleaved, half style in address order: see ladder's split)
         ladders = {
-            wide: (
-                ladder(True, w, nontemporal, aligned),
-                ladder(False, w, nontemporal, aligned),
-                ladder(True, w, nontemporal, aligned, split=True),
-            )
+            wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
             for wide, w in ((True, widths), (False, narrow_widths))
         }
+    # The half style's 4- and 8-byte rows in address order (see ladder's split), with plain
+    # stores only: chunk walks are in that order already, and streaming stores, whose
+    # write-combining buffers join each line's pieces in either order, ran no faster with it.
+    split_ladder = (
+        None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
+    )
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
@@ -159,11 +160,9 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # for, which the memory system serves poorly out of cache.) The loop over runs is in the
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
-        half_row, pair_row, split_row = ladders[o.dtype.bitwidth > 16]
-        # the half style's split ladder: 4- and 8-byte rows with plain stores (chunk walks are in
-        # address order already; streaming stores, whose write-combining buffers join each
-        # line's pieces in either order, ran no faster with it)
-        splits = o.dtype.bitwidth > 16 and not chunked and not nontemporal
+        half_row, pair_row = ladders[o.dtype.bitwidth > 16]
+        splits = o.dtype.bitwidth > 16 and split_ladder is not None
+        split_row = split_ladder if splits else half_row
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
