@@ -156,6 +156,10 @@ class GeneralPlan:
             and (x.flags.c_contiguous if outs is None else _arrays.addressable(out, NUMPY))
             for x, out in zip(xs, outs or xs)
         )
+        # Calls of positions 0..T-1 whose launch can be replayed (see _replay), and the launch
+        self.replays = kind == NONE and self.as_they_are and backend == "numba"
+        self.replays = self.replays and not self.spec.dynamic
+        self.replay = None
 
     def rotate(self, x, pos, inverse, out, seq_len):
         return self.run((x,), pos, inverse, None if out is None else (out,), seq_len)[0]
@@ -263,6 +267,10 @@ class GeneralPlan:
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
+        if self.replay is not None and seq_len is None:
+            results = self._replay(xs, outs, inverse)
+            if results is not None:
+                return results
         xp, capture, device = self.xp, False, None if self.family == NUMPY else self._device()
         if self.device is not None:
             capture = self.device.begin(xp, device)
@@ -297,9 +305,41 @@ class GeneralPlan:
                 self.launch(self.spec, operands, cos, sin, inverse, freqs=freqs, capture=capture)
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
+            if self.replays and self.replay is None and seq_len is None:
+                run = backend_module(self.backend).replay(self.spec, operands, cos, sin)
+                idxs = [idx for _, _, idx in operands]
+                self.replay = None if run is None else (run, tables, cos.shape, idxs)
         for temp, out in write_back:
             _arrays.assign(out, temp)
         return results
+
+    def _replay(self, xs, outs, inverse):
+        """The results of a call whose launch is the plan's first one's (see
+        backends.cpu.replay), made again without working out its positions, table rows and
+        kernel calls anew: positions 0..T-1 are the layout's, and so are the rows while the
+        frequency set's table keeps its size. None where this call needs the full way: the table
+        grown or dropped, an out sharing memory with an input or the other out (which the full
+        way tells in place from partial overlap, and refuses), or a launch decided otherwise."""
+        run, tables, shape, idxs = self.replay
+        stack = tables.existing(None, self.table_dtype)
+        if stack is None or stack.shape[1:] != shape:
+            self.replay = None  # the full way records the launch for the table as it is now
+            return None
+        if outs is None:
+            results = tuple(np.empty_like(x) for x in xs)
+        else:
+            for i, out in enumerate(outs):
+                for j, x in enumerate(xs):
+                    if not (self.in_place[i] and i == j) and np.may_share_memory(out, x):
+                        return None
+            if len(outs) == 2 and np.may_share_memory(outs[0], outs[1]):
+                return None
+            results = outs
+        operands = [
+            (out, out, idx) if same else (x, out, idx)
+            for x, out, idx, same in zip(xs, results, idxs, self.in_place)
+        ]
+        return results if run(operands, stack[0], stack[1], inverse) else None
 
     def _past_cap(self, resolved, high, tables):
         """Whether the call's positions are integers reaching past the cache's cap. Such a

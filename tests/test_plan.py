@@ -7,6 +7,7 @@ question is only which way a call goes and what is cached.
 
 import numpy as np
 import pytest
+from oracles import assert_matches, oracle, poisoned, random_array
 
 import arrayrope as ar
 from arrayrope import _api, _dispatch, _positions
@@ -178,3 +179,80 @@ def test_empty_operands_never_overlap(kernel):
     for x_at, o_at in ((40, 50), (50, 40), (40, 40 + 80)):
         status = run(empty_at(x_at), empty_at(o_at), np.zeros(0, np.int64), tables, settings)
         assert status == _decode.DONE
+
+
+def _only_plan(rope):
+    (plan,) = rope._engine.plans.values()
+    assert isinstance(plan, GeneralPlan)
+    return plan
+
+
+def _view(rng, shape, at=0, values=True):
+    """A view (so that every array of a test has one set of flags, and one plan) of ``shape``
+    float32 elements, ``at`` elements into a fresh buffer: random, or NaN (an output)."""
+    size = int(np.prod(shape))
+    buffer = random_array(rng, size + 4, np.float32) if values else poisoned(size + 4, np.float32)
+    return buffer[at : at + size].reshape(shape)
+
+
+@pytest.mark.parametrize("stores", ["plain", "streaming, parallel"])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_a_replayed_launch_still_decides_per_call_what_addresses_decide(
+    style, stores, cpu_config, rng
+):
+    # Calls of positions 0..T-1 replay their plan's first launch; overlap and the outputs'
+    # place on the 16-byte grid are still the call's own.
+    if stores == "plain":
+        cpu_config(small_below=0)
+    else:
+        cpu_config(small_below=0, serial_below=0, stream_above=0)
+    rope = ar.RoPE(16, style=style)
+    shape = (2, 3, 40, 16)
+
+    def check(x, out):
+        want, given = oracle(x, style=style), x.copy()
+        assert rope.rotate(x, out=out) is out
+        assert_matches(out, want, given)
+
+    check(_view(rng, shape), _view(rng, shape, values=False))
+    plan = _only_plan(rope)
+    assert plan.replay is not None
+    for at in (0, 0, 1, 0, 2, 0):  # fresh arrays; outputs 4 bytes apart: elsewhere on the grid
+        check(_view(rng, shape), _view(rng, shape, at, values=False))
+    x = _view(rng, shape)
+    check(x, x[...])  # another view of x's memory: in place
+    buffer = np.zeros(x.size + 16, np.float32)
+    first, second = buffer[:-16].reshape(shape), buffer[16:].reshape(shape)
+    with pytest.raises(ar.RopeValueError, match="partially"):
+        rope.rotate(first, out=second)
+    assert np.all(buffer == 0)  # refused before anything was written
+    assert len(rope._engine.plans) == 1 and plan.replay is not None
+
+
+def test_a_replay_follows_the_table_and_rotate_qk_checks_its_outs(cpu_config, rng):
+    cpu_config(small_below=0)
+    rope = ar.RoPE(16)
+    shapes = (1, 4, 24, 16), (1, 2, 24, 16)
+
+    def check():
+        q, k = (_view(rng, shape) for shape in shapes)
+        outs = tuple(_view(rng, shape, values=False) for shape in shapes)
+        got = rope.rotate_qk(q, k, out=outs)
+        assert got[0] is outs[0] and got[1] is outs[1]
+        assert_matches(got[0], oracle(q), q)
+        assert_matches(got[1], oracle(k), k)
+
+    check()
+    plan = _only_plan(rope)
+    recorded = plan.replay
+    assert recorded is not None
+    rows = rope._engine.freq_set(None).tables.existing(None, np.dtype(np.float32)).shape[1]
+    rope.rotate(np.ones((1, 16), np.float32), rows)  # a position past the table: it grows
+    for _ in range(2):  # the replay gives way to the full call, which records it anew
+        check()
+    assert plan.replay is not None and plan.replay is not recorded
+    q, k = (_view(rng, shape) for shape in shapes)
+    shared = np.zeros(q.size, np.float32)
+    with pytest.raises(ar.RopeValueError, match="overlap"):
+        rope.rotate_qk(q, k, out=(shared.reshape(q.shape), shared[: k.size].reshape(k.shape)))
+    assert np.all(shared == 0)

@@ -54,7 +54,7 @@ _disk_cache.guard(
     _step_checks,
 )  # fmt: skip
 
-__all__ = ["launch", "launch_filled", "launch_fused", "rows_plan"]
+__all__ = ["launch", "launch_filled", "launch_fused", "replay", "rows_plan"]
 
 _F16 = np.dtype(np.float16)
 
@@ -70,13 +70,44 @@ def launch(spec, operands, cos, sin, inverse):
     """
     parallel = _parallel_launch(operands)
     if spec.segments.shape[0] == 1:
-        key = (spec.rotary_dim, spec.half_style, parallel, cos.shape, cos.strides, cos.dtype)
-        key += (sin.strides,) + tuple(map(_operand_key, operands))
+        key = _recipe_key(spec, operands, cos, sin, parallel)
         recipe = _recipes.get(key)
         if recipe is None:
             recipe = _recipes.put(key, _Recipe(spec, operands, cos, sin, parallel))
         return recipe.run(spec, operands, cos, sin, inverse, parallel)
     return _launch_entries(spec, operands, cos, sin, inverse, parallel)
+
+
+def replay(spec, operands, cos, sin):
+    """The kernel calls :func:`launch` made for these operands (after it), to make again for
+    operands of the same layout without working them out anew: a function ``run(operands,
+    cos, sin, inverse)`` that launches them and returns True, or returns False where the new
+    operands' outputs stand elsewhere on the 16-byte grid, or threads may no longer be used
+    (a forked child), which launch would decide otherwise. None where launch keeps nothing to
+    replay (multi-axis tables). ``cos`` and ``sin`` must have the recorded ones' layout."""
+    if spec.segments.shape[0] != 1:
+        return None
+    parallel = _parallel_launch(operands)
+    recipe = _recipes.get(_recipe_key(spec, operands, cos, sin, parallel))
+    if recipe is None:
+        return None
+    grid = tuple(_arrays.pointer(out, NUMPY) % 16 for _, out, _ in operands)
+
+    def run(operands, cos, sin, inverse):
+        if parallel and not threads_usable():
+            return False
+        for (_, out, _), at in zip(operands, grid):
+            if _arrays.pointer(out, NUMPY) % 16 != at:
+                return False
+        recipe.run(spec, operands, cos, sin, inverse, parallel)
+        return True
+
+    return run
+
+
+def _recipe_key(spec, operands, cos, sin, parallel):
+    key = (spec.rotary_dim, spec.half_style, parallel, cos.shape, cos.strides, cos.dtype)
+    return key + (sin.strides,) + tuple(map(_operand_key, operands))
 
 
 def _launch_entries(spec, operands, cos, sin, inverse, parallel):
