@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
-from ._ladder import chunk_walk, ladder, variant
+from ._ladder import chunk_walk, ladder, line_walk, variant
 from ._runs import run_start
 from ._simd import address, copy_bytes, copy_element, store_fence
 
@@ -86,6 +86,9 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
+    # The half style's 4- and 8-byte rows with streaming stores: in whole cache lines (see
+    # line_walk)
+    lines = line_walk(True) if nontemporal and aligned and not chunked else None
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
@@ -161,8 +164,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
-        splits = o.dtype.bitwidth > 16 and split_ladder is not None
-        split_row = split_ladder if splits else half_row
+        # rows not in place in address order: the split ladder (plain stores) or the line walk
+        ordered = split_ladder if split_ladder is not None else lines
+        splits = o.dtype.bitwidth > 16 and ordered is not None
+        split_row = ordered if splits else half_row
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):

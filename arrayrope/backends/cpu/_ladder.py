@@ -17,7 +17,10 @@ from numba.extending import overload
 
 from ._config import PAIRED_ROWS
 from ._paired import PAIRED_BLOCKS, paired_row
-from ._simd import chunk_step, row_step
+from ._simd import address, chunk_step, row_step
+
+# Bytes of a cache line: the grid of line_walk's wide chunks
+LINE_BYTES = 64
 
 
 def variant(fn, *parts):
@@ -213,5 +216,65 @@ def chunk_walk(half, widths, nontemporal):
                 mixed_16(x, xr, o, orow, h, cos, sin, t, end, inverse)
 
         return variant(impl, "chunks", "half" if half else "pairs", widths, nontemporal)
+
+    return rotate
+
+
+def line_walk(nontemporal):
+    """A function with a ladder's arguments for Numba that rotates a half-style row of 4- or
+    8-byte elements (pair blocks of whole 16 bytes, the row of o at ``orow`` on the 16-byte
+    grid, not in place) in chunks on the grid of cache lines of the row's addresses: chunks
+    of 16 bytes up to the row's first line boundary, whole lines, each in one store, then
+    chunks of 16 bytes to the rotary part's end (see _simd.chunk_step). A row 16 bytes past a
+    line (where NumPy's large arrays start) otherwise stores each vector step's results
+    across two lines, in four 16-byte pieces; with streaming stores, whole aligned lines keep
+    fewer lines partly written at once, which the half style's two runs of stores (j and
+    j + h) make the most of."""
+    first_w, second_w, mixed_w = (
+        chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
+        for kind in ("first", "second", "mixed")
+    )
+    first_16, second_16 = (chunk_step(True, kind, 16, nontemporal) for kind in ("first", "second"))
+
+    def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
+        """Rotate one row's rotary part in chunks on the line grid (see :func:`line_walk`)."""
+
+    # inlined in Numba's IR, as the chunk walk is (LLVM calls it once per row otherwise)
+    @overload(rotate, inline="always")
+    def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+        kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
+        item = o.dtype.bitwidth // 8
+        w, per, two = kind(LINE_BYTES // item), kind(16 // item), kind(2)
+        line, size = np.uint64(LINE_BYTES), np.uint64(item)
+
+        def impl(x, xr, o, orow, n, cos, sin, t, inverse):
+            h = n // two
+            # elements to the first line boundary (a whole number of 16 bytes: orow is on
+            # that grid), or the whole rotary part where it ends before one
+            lead = min(kind((line - address(o, orow) % line) % line // size), n)
+            k = n - n
+            while k < lead and k < h:
+                first_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            while k < lead:
+                second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            while k + w <= h:
+                first_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
+            if k < h and k + w <= n:  # the line across h
+                mixed_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
+            while k + w <= n:  # past h here: else the line across it ended past n
+                second_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
+            while k < h:
+                first_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            while k < n:
+                second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+
+        return variant(impl, "lines", nontemporal)
 
     return rotate

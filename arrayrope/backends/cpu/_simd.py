@@ -468,10 +468,11 @@ def _interleaved(builder, v, c, s):
     )
 
 
-def chunk_step(half, kind, nbytes, nontemporal):
+def chunk_step(half, kind, nbytes, nontemporal, align=16):
     """An intrinsic ``step(x, xr, o, orow, h, cos, sin, t, k, inverse)`` (row_step's arguments)
     that writes the ``nbytes`` of a row of o from its element k on, at orow + k on the 16-byte
-    grid, whatever the grid of the row's pair blocks: x's row at xr, the table row at t, h
+    grid (on the ``align``-byte grid where the caller says so: a whole 64-byte line is then one
+    store), whatever the grid of the row's pair blocks: x's row at xr, the table row at t, h
     pairs (2h rotary elements). ``kind`` says which elements the chunk holds: "first" (all in
     the first half of the half layout's pairs: j with partner j + h), "second" (all in its
     second half: j with partner j - h), or "mixed" (any, and elements past 2h, which get x's
@@ -545,7 +546,7 @@ def chunk_step(half, kind, nbytes, nontemporal):
             if kind == "mixed":  # elements past the rotary part: x's bits
                 stored = builder.select(rotary, stored, bits)
             oa = builder.add(orow_, k_)
-            _store_streaming(context, builder, tys[2], o_, oa, stored, 16, nontemporal)
+            _store_streaming(context, builder, tys[2], o_, oa, stored, align, nontemporal)
             return context.get_dummy_value()
 
         return types.void(x, xr, o, orow, h, cos, sin, t, k, inverse), codegen
