@@ -86,8 +86,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
-    # The half style's 4- and 8-byte rows with streaming stores: in whole cache lines (see
-    # line_walk)
+    # The half style's rows with streaming stores: in whole cache lines (see line_walk)
     lines = line_walk(True) if nontemporal and aligned and not chunked else None
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
@@ -164,10 +163,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
-        # rows not in place in address order: the split ladder (plain stores) or the line walk
-        ordered = split_ladder if split_ladder is not None else lines
-        splits = o.dtype.bitwidth > 16 and ordered is not None
-        split_row = ordered if splits else half_row
+        # rows not in place in address order: the split ladder (plain stores; not the 2-byte
+        # types) or the line walk (streaming stores)
+        if split_ladder is not None:
+            split_row, splits = split_ladder, o.dtype.bitwidth > 16
+        elif lines is not None:
+            split_row, splits = lines, True
+        else:
+            split_row, splits = half_row, False
         per = np.uint64(16 // (o.dtype.bitwidth // 8))
 
         def runs(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):

@@ -221,15 +221,15 @@ def chunk_walk(half, widths, nontemporal):
 
 
 def line_walk(nontemporal):
-    """A function with a ladder's arguments for Numba that rotates a half-style row of 4- or
-    8-byte elements (pair blocks of whole 16 bytes, the row of o at ``orow`` on the 16-byte
-    grid, not in place) in chunks on the grid of cache lines of the row's addresses: chunks
-    of 16 bytes up to the row's first line boundary, whole lines, each in one store, then
-    chunks of 16 bytes to the rotary part's end (see _simd.chunk_step). A row 16 bytes past a
-    line (where NumPy's large arrays start) otherwise stores each vector step's results
-    across two lines, in four 16-byte pieces; with streaming stores, whole aligned lines keep
-    fewer lines partly written at once, which the half style's two runs of stores (j and
-    j + h) make the most of."""
+    """A function with a ladder's arguments for Numba that rotates a half-style row (pair
+    blocks of whole 16 bytes, the row of o at ``orow`` on the 16-byte grid, not in place) in
+    chunks on the grid of cache lines of the row's addresses: chunks of 16 bytes up to the
+    row's first line boundary, whole lines, each stored at once (2-byte results in aligned
+    pieces: see _simd._store_streaming), then chunks of 16 bytes to the rotary part's end
+    (see _simd.chunk_step). A row 16 bytes past a line (where NumPy's large arrays start)
+    otherwise stores each vector step's results across two lines, in 16-byte pieces; with
+    streaming stores, whole aligned lines keep fewer lines partly written at once, which the
+    half style's two runs of stores (j and j + h) need most."""
     first_w, second_w, mixed_w = (
         chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
         for kind in ("first", "second", "mixed")

@@ -95,8 +95,9 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
     empty inline assembly statement): LLVM would otherwise fold the narrowing and the store
     into one narrowing store (vpmovdw, vcvtps2ph to memory), which has no streaming form, and
     drop the streaming mark. Plain stores into lines that streaming stores write too make every
-    such line a read and two partial writes. LLVM writes each piece with 16-byte streaming
-    stores, as the alignment it knows allows; 16-byte pieces, each cut from a vcvtps2ph result
+    such line a read and two partial writes. LLVM writes each piece with streaming stores as
+    wide as the alignment it knows allows (16 bytes, except on the line grid: see
+    _ladder.line_walk); 16-byte pieces, each cut from a vcvtps2ph result
     before the statement, make float16's streaming steps much slower (bench/shapes.py)."""
     data = context.make_array(array_type)(context, builder, array).data
     address = builder.gep(data, [index])
@@ -116,7 +117,7 @@ def _store_streaming(context, builder, array_type, array, index, value, align, n
         part = builder.shuffle_vector(value, value, lanes)
         part = builder.asm(ir.FunctionType(piece, [piece]), "", "=x,0", [part], side_effect=False)
         at = builder.bitcast(builder.gep(address, [i32(first)]), piece.as_pointer())
-        builder.store(part, at, align=min(align, 16)).set_metadata("nontemporal", mark)
+        builder.store(part, at, align=min(align, 2 * count)).set_metadata("nontemporal", mark)
 
 
 @intrinsic
