@@ -86,8 +86,12 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
-    # The half style's rows with streaming stores: in whole cache lines (see line_walk)
-    lines = line_walk(True) if nontemporal and aligned and not chunked else None
+    # Rows with streaming stores: in whole cache lines (see line_walk)
+    streams_lines = nontemporal and aligned and not chunked
+    lines = line_walk(True, True) if streams_lines else None
+    if streams_lines:
+        pair_lines = line_walk(False, True)
+        ladders = {wide: (half_row, pair_lines) for wide, (half_row, _) in ladders.items()}
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 

@@ -220,21 +220,28 @@ def chunk_walk(half, widths, nontemporal):
     return rotate
 
 
-def line_walk(nontemporal):
-    """A function with a ladder's arguments for Numba that rotates a half-style row (pair
-    blocks of whole 16 bytes, the row of o at ``orow`` on the 16-byte grid, not in place) in
+def line_walk(half, nontemporal):
+    """A function with a ladder's arguments for Numba that rotates a row (pair blocks of whole
+    16 bytes, the row of o at ``orow`` on the 16-byte grid; the half style's not in place) in
     chunks on the grid of cache lines of the row's addresses: chunks of 16 bytes up to the
     row's first line boundary, whole lines, each stored at once (2-byte results in aligned
     pieces: see _simd._store_streaming), then chunks of 16 bytes to the rotary part's end
-    (see _simd.chunk_step). A row 16 bytes past a line (where NumPy's large arrays start)
-    otherwise stores each vector step's results across two lines, in 16-byte pieces; with
-    streaming stores, whole aligned lines keep fewer lines partly written at once, which the
-    half style's two runs of stores (j and j + h) need most."""
-    first_w, second_w, mixed_w = (
-        chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
-        for kind in ("first", "second", "mixed")
-    )
-    first_16, second_16 = (chunk_step(True, kind, 16, nontemporal) for kind in ("first", "second"))
+    (see _simd.chunk_step; the interleaved style's chunks are its row steps). A row 16 bytes
+    past a line (where NumPy's large arrays start) otherwise stores each vector step's results
+    across two lines, in 16-byte pieces; with streaming stores, whole aligned lines keep fewer
+    lines partly written at once, which the half style's two runs of stores (j and j + h)
+    need most."""
+    if half:
+        first_w, second_w, mixed_w = (
+            chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
+            for kind in ("first", "second", "mixed")
+        )
+        first_16, second_16 = (
+            chunk_step(True, kind, 16, nontemporal) for kind in ("first", "second")
+        )
+    else:  # the pair steps, with no edge inside the rotary part
+        first_w = second_w = mixed_w = row_step(False, LINE_BYTES, nontemporal, LINE_BYTES)
+        first_16 = second_16 = row_step(False, 16, nontemporal)
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part in chunks on the line grid (see :func:`line_walk`)."""
@@ -248,7 +255,7 @@ def line_walk(nontemporal):
         line, size = np.uint64(LINE_BYTES), np.uint64(item)
 
         def impl(x, xr, o, orow, n, cos, sin, t, inverse):
-            h = n // two
+            h = n // two if half else n  # interleaved: every chunk a "first" one
             # elements to the first line boundary (a whole number of 16 bytes: orow is on
             # that grid), or the whole rotary part where it ends before one
             lead = min(kind((line - address(o, orow) % line) % line // size), n)
@@ -275,6 +282,6 @@ def line_walk(nontemporal):
                 second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
 
-        return variant(impl, "lines", nontemporal)
+        return variant(impl, "lines", "half" if half else "pairs", nontemporal)
 
     return rotate

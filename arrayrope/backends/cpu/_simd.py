@@ -246,11 +246,19 @@ def _widen(builder, dtype, bits):
 
 def _stream_lanes(context, builder, array_type, array, index, value, nontemporal, aligned=True):
     """Store the vector ``value`` at ``array[index]`` (16-byte aligned; only element-aligned
-    where ``aligned`` is False), rounded once to the array's storage type as _convert.store
-    rounds, with streaming stores (plain ones where ``nontemporal`` is False)."""
+    where ``aligned`` is False; ``aligned`` bytes where it is a number, the line grid of
+    _ladder.line_walk), rounded once to the array's storage type as _convert.store rounds,
+    with streaming stores (plain ones where ``nontemporal`` is False)."""
     value = _narrow(builder, array_type.dtype, value, nontemporal)
-    align = 16 if aligned else array_type.dtype.bitwidth // 8
+    align = _alignment(aligned, array_type.dtype.bitwidth // 8)
     _store_streaming(context, builder, array_type, array, index, value, align, nontemporal)
+
+
+def _alignment(aligned, item):
+    """The bytes a store's address is known to be aligned to (see :func:`_stream_lanes`)."""
+    if aligned is True:
+        return 16
+    return aligned if aligned else item
 
 
 def _narrow(builder, dtype, value, nontemporal=False):
@@ -625,7 +633,7 @@ def _bfloat16_codegen(nbytes, nontemporal, aligned):
                 builder.lshr(_bf16_round_lanes(builder, first), sixteen),
                 builder.and_(_bf16_round_lanes(builder, second), _splat(i32, lanes, 0xFFFF0000)),
             )
-        align = 16 if aligned else 2
+        align = _alignment(aligned, 2)
         _store_streaming(context, builder, tys[2], o_, oa_, result, align, nontemporal)
         return context.get_dummy_value()
 
