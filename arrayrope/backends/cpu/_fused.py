@@ -17,7 +17,7 @@ from numba.extending import intrinsic, overload, register_jitable
 
 from ._config import VECTOR_BYTES
 from ._convert import load, store
-from ._ladder import ladder
+from ._ladder import ladder, line_walk
 from ._simd import copy_bytes, prefetch_row, scale_row, store_fence, sum_of_squares
 
 # The bits of ``vector`` (see _token) past the two that choose the vector steps: a step too
@@ -34,8 +34,11 @@ PREFETCH, STREAM_Q, STREAM_KV, Q_IN_PLACE = 4, 8, 16, 32
 _WIDTHS = (VECTOR_BYTES, 32, 16) if VECTOR_BYTES > 32 else (32, 16)
 _HALF_ROW = ladder(True, _WIDTHS, False)
 _PAIR_ROW = ladder(False, _WIDTHS, False)
-_HALF_ROW_STREAMING = ladder(True, _WIDTHS, True)
-_PAIR_ROW_STREAMING = ladder(False, _WIDTHS, True)
+# Rows that stream from their input (never in place: see _fused_launch.vector_steps) in whole
+# cache lines (see _ladder.line_walk), but for the half style's 2-byte types: a large bfloat16
+# step ran slower so, each element converted twice (as itself and as its partner)
+_HALF_ROW_STREAMING = line_walk(True, True, ladder(True, _WIDTHS, True))
+_PAIR_ROW_STREAMING = line_walk(False, True)
 # A normalized row streams from the scratch row only where the target keeps its dtype (see
 # _token): for other targets these compile to nothing.
 _HALF_SCRATCH_STREAMING = ladder(True, _WIDTHS, True, one_dtype=True)

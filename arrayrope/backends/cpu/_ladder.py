@@ -11,8 +11,11 @@ pair blocks are not: it writes the row in chunks on the grid instead of pair blo
 style's 2-byte rows with AVX-512 through _paired.paired_row, which computes each pair once).
 """
 
+import warnings
+
 import numpy as np
 from numba import types
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 from ._config import PAIRED_ROWS
@@ -21,6 +24,14 @@ from ._simd import address, chunk_step, row_step
 
 # Bytes of a cache line: the grid of line_walk's wide chunks
 LINE_BYTES = 64
+
+# Numba's IR inlining of the walks (see chunk_walk) renames their loops' variables, which a
+# pedantic check of Numba's parallel kernels then reports as out of scope, once per variable
+# and kernel compiled; the code compiled is right (the tests), so the report is left out for
+# these functions' variables only.
+warnings.filterwarnings(
+    "ignore", r"variable '(chunk|line)_walk__locals__", NumbaIRAssumptionWarning
+)
 
 
 def variant(fn, *parts):
@@ -220,7 +231,7 @@ def chunk_walk(half, widths, nontemporal):
     return rotate
 
 
-def line_walk(half, nontemporal):
+def line_walk(half, nontemporal, narrow=None):
     """A function with a ladder's arguments for Numba that rotates a row (pair blocks of whole
     16 bytes, the row of o at ``orow`` on the 16-byte grid; the half style's not in place) in
     chunks on the grid of cache lines of the row's addresses: chunks of 16 bytes up to the
@@ -230,7 +241,7 @@ def line_walk(half, nontemporal):
     past a line (where NumPy's large arrays start) otherwise stores each vector step's results
     across two lines, in 16-byte pieces; with streaming stores, whole aligned lines keep fewer
     lines partly written at once, which the half style's two runs of stores (j and j + h)
-    need most."""
+    need most. ``narrow``: a ladder that rows of 2-byte elements take instead."""
     if half:
         first_w, second_w, mixed_w = (
             chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
@@ -251,6 +262,12 @@ def line_walk(half, nontemporal):
     def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
+        if item == 2 and narrow is not None:
+
+            def narrow_impl(x, xr, o, orow, n, cos, sin, t, inverse):
+                narrow(x, xr, o, orow, n, cos, sin, t, inverse)
+
+            return variant(narrow_impl, "narrow", "half" if half else "pairs", nontemporal)
         w, per, two = kind(LINE_BYTES // item), kind(16 // item), kind(2)
         line, size = np.uint64(LINE_BYTES), np.uint64(item)
 
