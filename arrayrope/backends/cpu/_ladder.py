@@ -25,13 +25,11 @@ from ._simd import address, chunk_step, row_step
 # Bytes of a cache line: the grid of line_walk's wide chunks
 LINE_BYTES = 64
 
-# Numba's IR inlining of the walks (see chunk_walk) renames their loops' variables, which a
-# pedantic check of Numba's parallel kernels then reports as out of scope, once per variable
-# and kernel compiled; the code compiled is right (the tests), so the report is left out for
-# these functions' variables only.
-warnings.filterwarnings(
-    "ignore", r"variable '(chunk|line)_walk__locals__", NumbaIRAssumptionWarning
-)
+# Numba's IR inlining of the chunk walk renames its loops' variables, which a pedantic check
+# of Numba's parallel kernels then reports as out of scope, once per variable and kernel
+# compiled; the code compiled is right (the tests), so the report is left out for that
+# function's variables only.
+warnings.filterwarnings("ignore", r"variable 'chunk_walk__locals__", NumbaIRAssumptionWarning)
 
 
 def variant(fn, *parts):
@@ -237,28 +235,31 @@ def line_walk(half, nontemporal, narrow=None):
     chunks on the grid of cache lines of the row's addresses: chunks of 16 bytes up to the
     row's first line boundary, whole lines, each stored at once (2-byte results in aligned
     pieces: see _simd._store_streaming), then chunks of 16 bytes to the rotary part's end
-    (see _simd.chunk_step; the interleaved style's chunks are its row steps). A row 16 bytes
+    (see _simd.chunk_step; the interleaved style's chunks are its row steps). The half style's
+    line across its edge h goes in 16-byte chunks too, one after another. A row 16 bytes
     past a line (where NumPy's large arrays start) otherwise stores each vector step's results
     across two lines, in 16-byte pieces; with streaming stores, whole aligned lines keep fewer
     lines partly written at once, which the half style's two runs of stores (j and j + h)
     need most. ``narrow``: a ladder that rows of 2-byte elements take instead."""
     if half:
-        first_w, second_w, mixed_w = (
+        first_w, second_w = (
             chunk_step(True, kind, LINE_BYTES, nontemporal, LINE_BYTES)
-            for kind in ("first", "second", "mixed")
+            for kind in ("first", "second")
         )
         first_16, second_16 = (
             chunk_step(True, kind, 16, nontemporal) for kind in ("first", "second")
         )
     else:  # the pair steps, with no edge inside the rotary part
-        first_w = second_w = mixed_w = row_step(False, LINE_BYTES, nontemporal, LINE_BYTES)
+        first_w = second_w = row_step(False, LINE_BYTES, nontemporal, LINE_BYTES)
         first_16 = second_16 = row_step(False, 16, nontemporal)
 
     def rotate(x, xr, o, orow, n, cos, sin, t, inverse):
         """Rotate one row's rotary part in chunks on the line grid (see :func:`line_walk`)."""
 
-    # inlined in Numba's IR, as the chunk walk is (LLVM calls it once per row otherwise)
-    @overload(rotate, inline="always")
+    # Compiled once per signature and inlined by LLVM, which would call it once per row for
+    # its size (with every array's fields as arguments) but for forceinline. Inlined in Numba's
+    # IR instead, as the chunk walk is, it took about a second longer to compile per kernel.
+    @overload(rotate, jit_options={"forceinline": True})
     def rotate_impl(x, xr, o, orow, n, cos, sin, t, inverse):
         kind = np.uint64 if isinstance(n, types.Integer) and not n.signed else np.int64
         item = o.dtype.bitwidth // 8
@@ -286,15 +287,16 @@ def line_walk(half, nontemporal, narrow=None):
             while k + w <= h:
                 first_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += w
-            if k < h and k + w <= n:  # the line across h
-                mixed_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
-                k += w
-            while k + w <= n:  # past h here: else the line across it ended past n
-                second_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
-                k += w
+            # the line across h (and a row's end before the next line) in 16-byte chunks
             while k < h:
                 first_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
+            while k < n and (k - lead) % w:
+                second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += per
+            while k + w <= n:
+                second_w(x, xr, o, orow, h, cos, sin, t, k, inverse)
+                k += w
             while k < n:
                 second_16(x, xr, o, orow, h, cos, sin, t, k, inverse)
                 k += per
