@@ -82,6 +82,16 @@ def cases(ar, rng_seed=0):
                 lambda r=rope, x=x, out=out: r.rotate(x, out=out),
                 2 * x.nbytes,
             )
+    # small heads and half rotary with pair blocks on the grid (the direct path's rows), 64 MiB
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        for d, rotary in ((64, 64), (128, 64)):
+            rows = (64 << 20) // (32 * d * np.dtype(dtype).itemsize)
+            x = rng.standard_normal((1, 32, rows, d)).astype(dtype)
+            out = np.empty_like(x)
+            for style in ("interleaved", "half"):
+                rope = ar.RoPE(d, style=style, rotary_dim=rotary)
+                name = f"head {d}/{rotary} out= {np.dtype(dtype).name} {style}"
+                found[name] = (lambda r=rope, x=x, out=out: r.rotate(x, out=out), 2 * x.nbytes)
     x = rng.standard_normal(shape).astype(np.float32)
     out = np.empty_like(x)
     pos = rng.integers(0, 64, (4, 1, 2048, 3))

@@ -86,12 +86,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
-    # Rows with streaming stores: in whole cache lines (see line_walk)
+    # Rows of 4- and 8-byte elements with streaming stores: in whole cache lines (see
+    # line_walk). The 2-byte types keep the ladders: the half style's walk converts each
+    # element twice (as itself and as its partner), and with the interleaved walk compiled
+    # beside it, their half-style ladder ran slower too ((1, 32, T, 64): 0.69-0.88x).
     streams_lines = nontemporal and aligned and not chunked
     lines = line_walk(True, True) if streams_lines else None
     if streams_lines:
-        pair_lines = line_walk(False, True)
-        ladders = {wide: (half_row, pair_lines) for wide, (half_row, _) in ladders.items()}
+        ladders[True] = (ladders[True][0], line_walk(False, True))
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
@@ -167,11 +169,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         # same function: a function Numba compiles on its own is optimized and emitted by LLVM once
         # more in each caller's library.
         half_row, pair_row = ladders[o.dtype.bitwidth > 16]
-        # rows not in place in address order: the split ladder (plain stores; not the 2-byte
-        # types) or the line walk (streaming stores)
+        # the half style's rows not in place, of 4- and 8-byte types, in address order
         if split_ladder is not None:
             split_row, splits = split_ladder, o.dtype.bitwidth > 16
-        elif lines is not None:
+        elif lines is not None and o.dtype.bitwidth > 16:  # the line walk (streaming stores)
             split_row, splits = lines, True
         else:
             split_row, splits = half_row, False
