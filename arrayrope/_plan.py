@@ -267,8 +267,9 @@ class GeneralPlan:
         return None if self.family == NUMPY else self.xp.cuda.Device().id
 
     def _run(self, xs, pos, inverse, outs, seq_len):
-        if self.replay is not None and seq_len is None:
-            results = self._replay(xs, outs, inverse)
+        replay = self.replay  # read once: another thread's call may drop it
+        if replay is not None and seq_len is None:
+            results = self._replay(replay, xs, outs, inverse)
             if results is not None:
                 return results
         xp, capture, device = self.xp, False, None if self.family == NUMPY else self._device()
@@ -305,7 +306,14 @@ class GeneralPlan:
                 self.launch(self.spec, operands, cos, sin, inverse, freqs=freqs, capture=capture)
             else:
                 self.launch(self.spec, operands, cos, sin, inverse)
-            if self.replays and self.replay is None and seq_len is None:
+            # recorded from a call rotated in place only where its layout says so (out is x):
+            # an out that is another view of x's memory makes its launch an in-place one
+            if (
+                self.replays
+                and self.replay is None
+                and seq_len is None
+                and in_place == self.in_place
+            ):
                 run = backend_module(self.backend).replay(self.spec, operands, cos, sin)
                 idxs = [idx for _, _, idx in operands]
                 self.replay = None if run is None else (run, tables, cos.shape, idxs)
@@ -313,14 +321,15 @@ class GeneralPlan:
             _arrays.assign(out, temp)
         return results
 
-    def _replay(self, xs, outs, inverse):
+    def _replay(self, replay, xs, outs, inverse):
         """The results of a call whose launch is the plan's first one's (see
         backends.cpu.replay), made again without working out its positions, table rows and
         kernel calls anew: positions 0..T-1 are the layout's, and so are the rows while the
         frequency set's table keeps its size. None where this call needs the full way: the table
         grown or dropped, an out sharing memory with an input or the other out (which the full
-        way tells in place from partial overlap, and refuses), or a launch decided otherwise."""
-        run, tables, shape, idxs = self.replay
+        way tells in place from partial overlap, and refuses), or a launch decided otherwise
+        (see backends.cpu.replay). ``replay``: the plan's record of its launch."""
+        run, tables, shape, idxs = replay
         stack = tables.existing(None, self.table_dtype)
         if stack is None or stack.shape[1:] != shape:
             self.replay = None  # the full way records the launch for the table as it is now

@@ -256,3 +256,41 @@ def test_a_replay_follows_the_table_and_rotate_qk_checks_its_outs(cpu_config, rn
     with pytest.raises(ar.RopeValueError, match="overlap"):
         rope.rotate_qk(q, k, out=(shared.reshape(q.shape), shared[: k.size].reshape(k.shape)))
     assert np.all(shared == 0)
+
+
+@pytest.mark.parametrize("vector_rows", [True, False])
+def test_a_launch_made_in_place_through_a_view_is_not_replayed_for_a_separate_out(
+    vector_rows, cpu_config, rng
+):
+    # out=x[...] has the layout of a separate out but is x's memory: the full way rotates it in
+    # place (the tail past rotary_dim left as it is), which a later separate out must not repeat
+    cpu_config(small_below=0, vector_rows=vector_rows)
+    rope = ar.RoPE(16, rotary_dim=8, style="half")
+    shape = (2, 3, 40, 16)
+    x = _view(rng, shape)
+    want, given = oracle(x, style="half", rotary_dim=8), x.copy()
+    rope.rotate(x, out=x[...])
+    assert_matches(x, want, given)
+    plan = _only_plan(rope)
+    assert plan.replay is None
+    for _ in range(2):
+        x, out = _view(rng, shape), _view(rng, shape, values=False)
+        assert rope.rotate(x, out=out) is out
+        assert_matches(out, oracle(x, style="half", rotary_dim=8), x)
+    assert plan.replay is not None
+
+
+def test_a_replayed_call_skips_the_full_way(cpu_config, rng, monkeypatch):
+    cpu_config(small_below=0)
+    rope = ar.RoPE(16)
+    shape = (2, 3, 40, 16)
+    rope.rotate(_view(rng, shape), out=_view(rng, shape, values=False))
+    plan = _only_plan(rope)
+
+    def refused(*args):
+        raise AssertionError("the full way ran")
+
+    monkeypatch.setattr(plan, "_tables", refused)
+    x, out = _view(rng, shape), _view(rng, shape, values=False)
+    rope.rotate(x, out=out)
+    assert_matches(out, oracle(x), x)

@@ -212,12 +212,14 @@ def _line_window(shape, dtype, line_offset):
     "d, rotary_dim", [(8, 8), (24, 24), (128, 128), (160, 96), (100, 96), (72, 64)]
 )
 @pytest.mark.parametrize("line_offset", [0, 16, 32, 48])
-def test_plain_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits(
-    threads, dtype, style, d, rotary_dim, line_offset
+@pytest.mark.parametrize("mode", ["vector", "streaming"])
+def test_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits(
+    mode, threads, dtype, style, d, rotary_dim, line_offset
 ):
-    # The plain-store steps of a row (VECTOR), its widest steps across line boundaries or not:
-    # rows starting at each 16-byte place in a cache line, rows and tails shorter than a line
-    # among them (d = 8; d = 100 of 96), must write the general loop's bits and nothing else.
+    # The plain-store steps of a row (VECTOR), its widest steps across line boundaries or not,
+    # and the streaming ones (DIRECT: whole lines, 16-byte chunks before and after them): rows
+    # starting at each 16-byte place in a cache line, rows and tails shorter than a line among
+    # them (d = 8; d = 100 of 96), must write the general loop's bits and nothing else.
     if not _config.STREAMING:
         pytest.skip("the direct path is used on x86-64 only")
     rng = np.random.default_rng()
@@ -230,8 +232,8 @@ def test_plain_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits
     for inverse in (False, True):
         modes = []
         buffer[:] = np.nan
-        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, "vector", modes)
-        assert modes == [cpu.VECTOR]
+        _assert_streams_plain_bits(threads, rope, x, pos, inverse, buffer, out, mode, modes)
+        assert modes == [cpu.VECTOR if mode == "vector" else cpu.DIRECT]
     assert_matches(out, oracle(x, pos, style=style, rotary_dim=rotary_dim, inverse=True), x)
     np.testing.assert_array_equal(bits(x), bits(x_before))
 

@@ -84,7 +84,8 @@ def replay(spec, operands, cos, sin):
     cos, sin, inverse)`` that launches them and returns True, or returns False where the new
     operands' outputs stand elsewhere on the 16-byte grid, or threads may no longer be used
     (a forked child), which launch would decide otherwise. None where launch keeps nothing to
-    replay (multi-axis tables). ``cos`` and ``sin`` must have the recorded ones' layout."""
+    replay (multi-axis tables), or no longer keeps it (its recipe dropped from the bounded
+    store). ``cos`` and ``sin`` must have the recorded ones' layout."""
     if spec.segments.shape[0] != 1:
         return None
     parallel = _parallel_launch(operands)

@@ -80,9 +80,9 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             wide: (ladder(True, w, nontemporal, aligned), ladder(False, w, nontemporal, aligned))
             for wide, w in ((True, widths), (False, narrow_widths))
         }
-    # The half style's 4- and 8-byte rows in address order (see ladder's split), with plain
-    # stores only: chunk walks are in that order already, and streaming stores, whose
-    # write-combining buffers join each line's pieces in either order, ran no faster with it.
+    # The half style's 4- and 8-byte rows in address order: with plain stores by the split
+    # ladder (see ladder's split); with streaming stores by the line walk below, the split
+    # ladder's two passes having run no faster there (chunk walks are in that order already).
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
