@@ -1,7 +1,8 @@
 """The direct path: rows rotated in vector registers and stored straight into the output.
 
-Large outputs take 16-byte streaming stores with no scratch block: the CPU's write-combining
-buffers join the pieces of each cache line, so a line split between two rows streams whole too.
+Large outputs take streaming stores with no scratch block: float32 and float64 rows one
+aligned store per whole cache line (see _ladder.line_walk), the rest in 16-byte pieces, which
+the CPU's write-combining buffers join, so a line split between two rows streams whole too.
 Smaller outputs, and arrays rotated in place, take the same loop with plain stores. Every store
 address must be 16-byte aligned (the launcher checks: see ``direct_path``); outputs off that
 grid take the same steps with plain stores that assume no alignment (UNALIGNED: see
