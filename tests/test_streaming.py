@@ -214,7 +214,7 @@ def _line_window(shape, dtype, line_offset):
 @pytest.mark.parametrize("line_offset", [0, 16, 32, 48])
 @pytest.mark.parametrize("mode", ["vector", "streaming"])
 def test_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits(
-    mode, threads, dtype, style, d, rotary_dim, line_offset
+    mode, threads, dtype, style, d, rotary_dim, line_offset, rng
 ):
     # The plain-store steps of a row (VECTOR), its widest steps across line boundaries or not,
     # and the streaming ones (DIRECT: whole lines, 16-byte chunks before and after them): rows
@@ -222,7 +222,6 @@ def test_vector_rows_at_every_place_in_a_line_write_the_general_loops_bits(
     # them (d = 8; d = 100 of 96), must write the general loop's bits and nothing else.
     if not _config.STREAMING:
         pytest.skip("the direct path is used on x86-64 only")
-    rng = np.random.default_rng()
     x = (rng.standard_normal((2, 3, 21, d)) * 3).astype(dtype)
     x_before = x.copy()
     rope = ar.RoPE(d, style=style, rotary_dim=rotary_dim)
