@@ -90,6 +90,7 @@ def _calls(rope, dtype):
         rows = -(-CONFIG.stream_above // (16 * rope.head_dim * dtype.itemsize))
         huge = np.zeros((rows, 16, rope.head_dim), dtype)
         calls.append(("parallel, streaming stores", lambda: rope.rotate(huge)))
+        calls.append(("parallel, in place, as large", lambda: rope.rotate(huge, out=huge)))
         calls.append(("pair blocks off the grid, streaming", lambda: off_grid.rotate(huge)))
     return calls
 

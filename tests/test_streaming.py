@@ -24,7 +24,8 @@ PLAIN = {"stream_above": 1 << 62, "vector_rows": False}  # the general row loop'
 
 def _general(rope, xs, pos, outs, inverse=False, modes=None):
     """Rotate through the general strategy's launcher; the store mode of each launch (0, or
-    cpu.SCRATCH, DIRECT, VECTOR, UNALIGNED, CHUNKED, CHUNKED_PLAIN) is appended to ``modes``."""
+    cpu.SCRATCH, DIRECT, VECTOR, VECTOR_AHEAD, UNALIGNED, CHUNKED, CHUNKED_PLAIN) is appended
+    to ``modes``."""
 
     def launch(*args):
         mode = cpu.launch(*args)
@@ -290,18 +291,20 @@ def test_every_kind_of_chunk_writes_what_the_general_loop_writes(mode, dtype, st
         assert modes == [cpu.CHUNKED if mode == "streaming" else cpu.CHUNKED_PLAIN] * 2
 
 
+@pytest.mark.parametrize("size", ["in cache", "large"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 @pytest.mark.parametrize("rotary_dim", [48, 40, 24])
 @pytest.mark.parametrize("layout", ["aligned", "shifted", "strided"])
 def test_direct_path_in_place_writes_what_the_general_loop_writes(
-    threads, dtype, style, rotary_dim, layout
+    size, threads, dtype, style, rotary_dim, layout
 ):
     # In place, the direct path's vector loop reads and writes the same rows (plain stores) where
     # they start on 16-byte boundaries: the general loop's bits, the tail past rotary_dim and
     # every element outside the array left as they were. (Chunks read partners that an earlier
-    # chunk of the row has written: in place takes the unaligned steps instead.)
+    # chunk of the row has written: in place takes the unaligned steps instead.) As large as
+    # streaming starts at (VECTOR_AHEAD), the same loop asks for rows ahead.
     x, calls, rope, place, kind = _direct_case(dtype, style, rotary_dim, layout)
     modes = []
     for pos, inverse in calls:
@@ -309,7 +312,7 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
         y[...] = x
         words = buffer.view(f"u{x.itemsize}")
         outside = words.copy()
-        with _vector(threads):
+        with _vector(threads) if size == "in cache" else _streaming(threads):
             _general(rope, (y,), pos, (y,), inverse, modes)
         with _config.override(**PLAIN):
             expected = x.copy()
@@ -318,7 +321,8 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
         mask = np.ones(buffer.size, bool)
         mask[np.unique(_offsets(buffer, y))] = False
         np.testing.assert_array_equal(words[mask], outside[mask])
-    way = {"direct": cpu.VECTOR, "chunked": cpu.UNALIGNED, "unaligned": cpu.UNALIGNED, None: 0}
+    vector = cpu.VECTOR if size == "in cache" else cpu.VECTOR_AHEAD
+    way = {"direct": vector, "chunked": cpu.UNALIGNED, "unaligned": cpu.UNALIGNED, None: 0}
     assert modes == [way[kind]] * 3
 
 
@@ -443,12 +447,13 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
     modes = []
     _general(rope, (big,), None, (np.empty_like(big),), modes=modes)
     _general(rope, (q, k), None, (np.empty_like(q), np.empty_like(k)), modes=modes)  # 1 MiB
-    _general(rope, (big,), None, (big,), modes=modes)  # in place: plain stores, whatever the size
-    _general(rope, (q, k), None, (q, np.empty_like(k)), modes=modes)  # 0.5 MiB written
+    # in place: plain stores, whatever the size (as large, rows asked for ahead)
+    _general(rope, (big,), None, (big,), modes=modes)
+    _general(rope, (q, k), None, (q, np.empty_like(k)), modes=modes)  # 0.5 MiB written, 1 read
     _general(rope, (big[:, :4],), None, (np.empty_like(big[:, :4]),), modes=modes)  # 0.5 MiB
     _general(rope, (big[:, :4],), None, (shifted,), modes=modes)  # 0.5 MiB, off the grid
     if _config.STREAMING:  # the direct path, with streaming stores or (smaller outputs) plain ones
-        assert modes == [cpu.DIRECT] * 2 + [cpu.VECTOR] * 3 + [cpu.UNALIGNED]
+        assert modes == [cpu.DIRECT] * 2 + [cpu.VECTOR_AHEAD] * 2 + [cpu.VECTOR, cpu.UNALIGNED]
     else:
         assert modes == [0] * 6
 

@@ -17,7 +17,7 @@ def test_warmup_reports_every_variant():
     from arrayrope.backends.cpu import _parallel, _rows
     from arrayrope.backends.cpu._config import STREAMING
 
-    assert seconds > 0 and len(lines) == 14 + 2 * STREAMING
+    assert seconds > 0 and len(lines) == 14 + 3 * STREAMING
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
     # every kernel of the general path for a new result and in place, and the parallel entry
     # point: on x86-64 the vector steps' (a one-axis RoPE's rows all take them there, the

@@ -46,6 +46,7 @@ from ._rows import (
     SCRATCH,
     UNALIGNED,
     VECTOR,
+    VECTOR_AHEAD,
 )
 from ._rows_plan import rows_plan
 
@@ -61,7 +62,7 @@ _F16 = np.dtype(np.float16)
 
 def launch(spec, operands, cos, sin, inverse):
     """Rotate one or two operands (q and k) in one kernel call: the general strategy. Returns
-    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR, UNALIGNED,
+    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR, VECTOR_AHEAD, UNALIGNED,
     CHUNKED or CHUNKED_PLAIN).
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), addressable
@@ -211,8 +212,9 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
     one axis. Each task (one per thread) fills the rows of a chunk of positions into a buffer
     of at most ``_FILL_BYTES`` and rotates every row at those positions before the next chunk
     (see :func:`_chunked`); a task that starts or ends inside a chunk fills its part of it.
-    Returns the way results were stored (DIRECT, VECTOR, CHUNKED or CHUNKED_PLAIN), or 0, with
-    nothing written, where the direct path cannot take the operands."""
+    Returns the way results were stored (DIRECT, VECTOR, VECTOR_AHEAD, CHUNKED or
+    CHUNKED_PLAIN), or 0, with nothing written, where the direct path cannot take the
+    operands."""
     parallel = _parallel_launch(operands)
     tasks = numba.get_num_threads() if parallel else 1  # one per thread: a buffer each
     row_bytes = 2 * inv_freq.size * dtype.itemsize
@@ -234,14 +236,14 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
 
 
 def _filled_stream(spec, operands, segments, cos, sin):
-    """How :func:`launch_filled` stores results: DIRECT, VECTOR, CHUNKED or CHUNKED_PLAIN (as
-    :func:`_stream` chooses among them, whatever Config.vector_rows says), or 0 where none of
-    those takes the operands."""
+    """How :func:`launch_filled` stores results: DIRECT, VECTOR, VECTOR_AHEAD, CHUNKED or
+    CHUNKED_PLAIN (as :func:`_stream` chooses among them, whatever Config.vector_rows says), or
+    0 where none of those takes the operands."""
     if not STREAMING:
         return 0
     large = _streams(operands)
     if direct_path(spec, operands, segments, cos, sin):
-        return DIRECT if large else VECTOR
+        return DIRECT if large else _plain(operands)
     steps = vector_steps(spec, operands, segments, cos, sin)
     if steps and _rows_on_grid(operands) and _chunks_hold(spec, operands):
         return CHUNKED if large else CHUNKED_PLAIN
@@ -336,13 +338,13 @@ def _operand(arrays):
 
 
 def _stream(spec, operands, segments, cos, sin):
-    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT, VECTOR, UNALIGNED,
-    CHUNKED or CHUNKED_PLAIN."""
+    """How :func:`launch` stores results: 0 (plain stores), SCRATCH, DIRECT, VECTOR,
+    VECTOR_AHEAD, UNALIGNED, CHUNKED or CHUNKED_PLAIN."""
     if not STREAMING:
         return 0
     large = _streams(operands)
     if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
-        return DIRECT if large else VECTOR
+        return DIRECT if large else _plain(operands)
     steps = vector_steps(spec, operands, segments, cos, sin)
     chunks = _rows_on_grid(operands) and _chunks_hold(spec, operands)
     if (large or _config.CONFIG.vector_rows) and steps and chunks:
@@ -353,6 +355,13 @@ def _stream(spec, operands, segments, cos, sin):
         # loop's per-element pairs streamed out of a scratch block
         return UNALIGNED
     return SCRATCH if large else 0
+
+
+def _plain(operands):
+    """The direct path with plain stores: VECTOR_AHEAD where the operands (in place, say) hold
+    at least CONFIG.stream_above bytes, too large for the cache, else VECTOR."""
+    size = sum(x.nbytes for x, _, _ in operands)
+    return VECTOR_AHEAD if size >= _config.CONFIG.stream_above else VECTOR
 
 
 def _streams(operands):
@@ -374,11 +383,12 @@ def _flat_operands(operands, stream):
         if view is not None:
             xf = xf.view(view)
             of = xf if out is x else of.view(view)
-        # In place, x is passed as None (a compile-time case), except to VECTOR: its vector
-        # steps load a block before they store it, so in place and smaller outputs share one
-        # compiled kernel there. (The general row loop needs None: see _rows._row_views; DIRECT
-        # keeps an in-place operand of rotate_qk on plain stores by it.)
-        shared = out is x and stream in (VECTOR, UNALIGNED)
+        # In place, x is passed as None (a compile-time case), except to VECTOR, VECTOR_AHEAD
+        # and UNALIGNED: their vector steps load a block before they store it, so in place and
+        # other outputs share one compiled kernel there. (The general row loop needs None: see
+        # _rows._row_views; DIRECT keeps an in-place operand of rotate_qk on plain stores by
+        # it.)
+        shared = out is x and stream in (VECTOR, VECTOR_AHEAD, UNALIGNED)
         args += (None if out is x and not shared else xf, of, flat_view(idx)[0])
     return tuple(args + args if len(operands) == 1 else args)
 

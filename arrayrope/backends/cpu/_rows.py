@@ -21,6 +21,7 @@ from ._direct import (
     direct_runs_chunked,
     direct_runs_chunked_plain,
     direct_runs_plain,
+    direct_runs_plain_ahead,
     direct_runs_streaming,
     direct_runs_unaligned,
 )
@@ -28,7 +29,7 @@ from ._runs import run_start
 from ._simd import address, store_fence, stream_line
 
 # how a launch stores results (see launch); 0: plain stores
-SCRATCH, DIRECT, VECTOR, UNALIGNED, CHUNKED, CHUNKED_PLAIN = 1, 2, 3, 4, 5, 6
+SCRATCH, DIRECT, VECTOR, UNALIGNED, CHUNKED, CHUNKED_PLAIN, VECTOR_AHEAD = 1, 2, 3, 4, 5, 6, 7
 # Rows rotated into an in-cache scratch block before each streaming copy.
 _STREAM_BLOCK_BYTES = 8192
 
@@ -296,6 +297,18 @@ def rotate_range_vector(
 
 
 @njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_vector_ahead(
+    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
+    stop,
+):  # fmt: skip
+    """VECTOR for calls too large for the cache, each row's input asked for ahead
+    (VECTOR_AHEAD)."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    direct_runs_plain_ahead(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+    direct_runs_plain_ahead(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
 def rotate_range_unaligned(
     x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
     stop,
@@ -362,6 +375,19 @@ def rotate_range_filled_vector(
 
 
 @njit(cache=DISK_CACHE, nogil=True)
+def rotate_range_filled_vector_ahead(
+    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
+    stop,
+):  # fmt: skip
+    """VECTOR_AHEAD, rows filled per position."""
+    f1, s1, f2, s2 = _shares(g, first, stop)
+    src = (levels, inv_freq, scale, buf)
+    c, s = buf[0], buf[1]
+    direct_runs_plain_ahead(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+    direct_runs_plain_ahead(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+
+@njit(cache=DISK_CACHE, nogil=True)
 def rotate_range_filled_chunked(
     x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
     stop,
@@ -390,6 +416,7 @@ def rotate_range_filled_chunked_plain(
 FILLED_KERNELS = {
     DIRECT: rotate_range_filled_direct,
     VECTOR: rotate_range_filled_vector,
+    VECTOR_AHEAD: rotate_range_filled_vector_ahead,
     CHUNKED: rotate_range_filled_chunked,
     CHUNKED_PLAIN: rotate_range_filled_chunked_plain,
 }
@@ -400,6 +427,7 @@ KERNELS = {
     SCRATCH: rotate_range,
     DIRECT: rotate_range_direct,
     VECTOR: rotate_range_vector,
+    VECTOR_AHEAD: rotate_range_vector_ahead,
     UNALIGNED: rotate_range_unaligned,
     CHUNKED: rotate_range_chunked,
     CHUNKED_PLAIN: rotate_range_chunked_plain,
