@@ -125,14 +125,18 @@ def warmup(
     if unknown:
         raise RopeValueError(f"dtypes must be among {_DTYPES}, got {unknown}")
     start = time.perf_counter()
-    rope = ar.RoPE(head_dim)
     for name in dtypes:
         dtype = _dtype(name)
-        for variant, call in _calls(rope, dtype):
-            began = time.perf_counter()
-            call()
-            if progress is not None:
-                progress(f"{name:9s} {variant:42s} {time.perf_counter() - began:6.1f} s")
+        # both pair styles: the direct path compiles a kernel per style (most other kernels
+        # serve both, and load from the cache the second time)
+        for style in ("interleaved", "half"):
+            rope = ar.RoPE(head_dim, style=style)
+            for variant, call in _calls(rope, dtype):
+                began = time.perf_counter()
+                call()
+                if progress is not None:
+                    took = time.perf_counter() - began
+                    progress(f"{name:9s} {style:11s} {variant:42s} {took:6.1f} s")
     return time.perf_counter() - start
 
 

@@ -75,7 +75,7 @@ def test_entries_are_keyed_to_every_source_of_the_kernels(tmp_path):
         pytest.skip("the disk cache is off in this configuration")
     folder = os.path.dirname(os.path.abspath(_rows.__file__))
     digest = _disk_cache.sources_digest(folder)
-    kernels = [*_rows.KERNELS.values(), *_rows.FILLED_KERNELS.values(), _angles.fill_rows]
+    kernels = [*_rows.kernels(), _angles.fill_rows]
     for kernel in kernels:
         assert kernel._cache._cache_file._source_stamp[1] == digest
     copy = tmp_path / "cpu"

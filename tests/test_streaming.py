@@ -506,11 +506,11 @@ def test_in_place_takes_the_plain_store_kernel_of_smaller_outputs(cpu_config, rn
         _general(rope, (expected,), None, (expected,))
     modes = []
     _general(rope, (x,), None, (np.empty_like(x),), modes=modes)
-    compiled = set(_rows.rotate_range_vector.signatures)
+    compiled = set(_rows.KERNELS[cpu.VECTOR][False].signatures)
     y = x.copy()
     _general(rope, (y,), None, (y,), modes=modes)
     assert modes == [cpu.VECTOR] * 2
-    assert set(_rows.rotate_range_vector.signatures) == compiled
+    assert set(_rows.KERNELS[cpu.VECTOR][False].signatures) == compiled
     assert not any(isinstance(sig[i], types.NoneType) for sig in compiled for i in (0, 3))
     np.testing.assert_array_equal(bits(y), bits(expected))
 

@@ -17,13 +17,14 @@ def test_warmup_reports_every_variant():
     from arrayrope.backends.cpu import _parallel, _rows
     from arrayrope.backends.cpu._config import STREAMING
 
-    assert seconds > 0 and len(lines) == 14 + 3 * STREAMING
+    assert seconds > 0 and len(lines) == 2 * (14 + 3 * STREAMING)  # per pair style
     assert all(line.startswith("float32") and line.endswith(" s") for line in lines)
     # every kernel of the general path for a new result and in place, and the parallel entry
     # point: on x86-64 the vector steps' (a one-axis RoPE's rows all take them there, the
     # general loop serving multi-axis tables), elsewhere the general loop
     f32 = numba.typeof(np.empty(1, np.float32))
-    vector_kernels = set(_rows.KERNELS.values()) - {_rows.rotate_range}
+    vector_kernels = {k for styles in _rows.KERNELS.values() for k in styles.values()}
+    vector_kernels -= {_rows.rotate_range}
     for kernel in vector_kernels if STREAMING else {_rows.rotate_range}:
         assert f32 in [sig[0] for sig in kernel.signatures], kernel
     parallel = {str(sig[2]) for sig in _parallel.rotate_parallel.signatures}  # x1

@@ -136,7 +136,7 @@ def _launch_entries(spec, operands, cos, sin, inverse, parallel):
         args += (spec.rotary_dim, d, spec.half_style, inverse, copy_tail)
         rows = _rows_of(pair)
         scratch = scratch_blocks(None if parallel else 1, rows, d, args[1].dtype, stream == SCRATCH)
-        _run(KERNELS[stream], args, scratch, rows, parallel)
+        _run(KERNELS[stream][bool(spec.half_style)], args, scratch, rows, parallel)
     return stream
 
 
@@ -192,7 +192,7 @@ class _Recipe:
         flats = [_flat_operands([operand], stream)[:3] for operand in operands]
         tail = (cos, sin, spec.segments, spec.rotary_dim, d, spec.half_style, inverse)
         tail += (self.copy_tail,)
-        kernel = KERNELS[stream]
+        kernel = KERNELS[stream][bool(spec.half_style)]
         for (first, second), g, rows, shape in self.calls:
             args = flats[first] + flats[second] + (g,) + tail
             _run(kernel, args, np.empty(shape, args[1].dtype), rows, parallel)
@@ -231,7 +231,7 @@ def launch_filled(spec, operands, levels, inv_freq, scale, dtype, inverse):
         g = geometry(pair, flat=True)
         args = _flat_operands(pair, stream) + (g, levels, inv_freq, segments)
         args += (spec.rotary_dim, pair[0][0].shape[-1], spec.half_style, inverse, scale)
-        _run(FILLED_KERNELS[stream], args, scratch, _rows_of(pair), parallel)
+        _run(FILLED_KERNELS[stream][bool(spec.half_style)], args, scratch, _rows_of(pair), parallel)
     return stream
 
 

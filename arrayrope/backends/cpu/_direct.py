@@ -18,6 +18,7 @@ they write, a third more memory traffic.
 
 import numpy as np
 from numba import types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from ._angles import chunk_rows, fill_chunk, table_row
@@ -70,6 +71,10 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
 
     ``ahead`` (calls too large for the cache): before each row, the row _AHEAD_BYTES on is
     asked for (see _simd.prefetch_row; a request past the operand's rows is harmless).
+
+    ``half``, the pair style, is a compile-time constant (a literal True or False: see
+    _rows.KERNELS), so that a kernel holds one style's steps: with both, the streaming kernels
+    took a third longer to compile.
     """
     if aligned:
         # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows
@@ -142,10 +147,14 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     # the variant's name (see _ladder.variant): what differs between the factory's calls
     parts = (nontemporal, aligned, chunked, in_place_runs is None, ahead)
 
-    @overload(direct_runs)
+    @overload(direct_runs, prefer_literal=True)
     def direct_runs_impl(
         x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
     ):
+        if not isinstance(half, types.BooleanLiteral):
+            raise TypingError(f"the direct path's pair style must be a constant, got {half}")
+        style = half.literal_value
+        named = (*parts, "half" if style else "pairs")
         # launch passes None only to the streaming loop (see launch), which hands it on
         if isinstance(x, types.NoneType):
 
@@ -156,7 +165,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                     o, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
                 )
 
-            return variant(in_place, *parts)
+            return variant(in_place, *named)
 
         # float16 without F16C takes the general loop (direct_path refuses it): its vector
         # conversions would call runtime helpers that Numba's JIT may not link.
@@ -165,7 +174,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             def nothing(x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source):
                 return None
 
-            return variant(nothing, *parts)
+            return variant(nothing, *named)
 
         # Each row's rotary part is a ladder, inlined into this function by Numba or LLVM (see
         # _ladder): a helper called per row would take its arrays, and table rows taken as views
@@ -217,7 +226,8 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                     c1 = min(c0 + chunk, run)
                     at = pb + c0 * sp + axis
                     held, held_rows = fill_chunk(source, idx, at, sp, c1 - c0, held, held_rows)
-                    if half and (same or not splits):  # in place: one pass (see ladder)
+                    # style is a constant: Numba drops the other style's loops before typing
+                    if style and (same or not splits):  # in place: one pass (see ladder)
                         for r in range(c0, c1):
                             tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
                             xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
@@ -226,7 +236,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
                             half_row(x, xr, o, orow, n, cos, sin, tb, inv)
                             if tails:
                                 copy_tail(x, xr, o, orow, tail_at, end)
-                    elif half:
+                    elif style:
                         for r in range(c0, c1):
                             tb = table_row(source, idx, at + (r - c0) * sp, r - c0, sp, stride)
                             xr, orow = np.uint64(xb + r * sx), np.uint64(ob + r * so)
@@ -247,7 +257,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             if nontemporal:
                 store_fence()
 
-        return variant(runs, *parts)
+        return variant(runs, *named)
 
     return direct_runs
 

@@ -108,16 +108,26 @@ def sources_digest(folder):
     return digest.hexdigest()
 
 
+def _dispatchers(values):
+    """The Numba dispatchers among ``values`` and in the dicts among them, at any depth."""
+    for value in values:
+        if isinstance(value, Dispatcher):
+            yield value
+        elif isinstance(value, dict):
+            yield from _dispatchers(value.values())
+
+
 def guard(*modules):
-    """Guard the disk cache of every Numba dispatcher defined in ``modules``, and key its
-    entries to the sources of the modules' folders."""
+    """Guard the disk cache of every Numba dispatcher defined in ``modules`` (as a module
+    global, or in a dict that is one), and key its entries to the sources of the modules'
+    folders."""
     digests = {}
     for module in modules:
         folder = os.path.dirname(os.path.abspath(module.__file__))
         if folder not in digests:
             digests[folder] = sources_digest(folder)
-        for value in vars(module).values():
-            if isinstance(value, Dispatcher) and isinstance(value._cache, FunctionCache):
+        for value in _dispatchers(vars(module).values()):
+            if isinstance(value._cache, FunctionCache):
                 index = getattr(value._cache, "_cache_file", None)
                 if index is not None and hasattr(index, "_source_stamp"):
                     index._source_stamp = (index._source_stamp, digests[folder])

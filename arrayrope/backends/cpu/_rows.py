@@ -274,161 +274,89 @@ def rotate_range(
     _rows(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch)
 
 
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_direct(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """The direct path with streaming stores (DIRECT)."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
-    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+def _direct_kernel(name, runs, filled, half, doc):
+    """The one-thread entry point ``name`` of the direct path by ``runs`` (one of _direct's
+    loops) for one pair style, ``half`` (a constant inside: see _direct); ``filled``: rows
+    made per position from the level tables (see below), else taken from cos and sin."""
+    if filled:
+
+        def kernel(
+            x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, style, inv, scale,
+            buf, first, stop,
+        ):  # fmt: skip
+            f1, s1, f2, s2 = _shares(g, first, stop)
+            src = (levels, inv_freq, scale, buf)
+            c, s = buf[0], buf[1]
+            runs(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
+            runs(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
+
+    else:
+
+        def kernel(
+            x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, style, inv, copy_tail,
+            scratch, first, stop,
+        ):  # fmt: skip
+            f1, s1, f2, s2 = _shares(g, first, stop)
+            runs(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
+            runs(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+
+    # the name tells the two styles' disk cache entries and compiled symbols apart
+    kernel.__name__ = kernel.__qualname__ = f"{name}_{'half' if half else 'pairs'}"
+    kernel.__doc__ = f"{doc}, rows made per position." if filled else f"{doc}."
+    return njit(cache=DISK_CACHE, nogil=True)(kernel)
 
 
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_vector(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """The direct path with plain stores (VECTOR)."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_plain(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
-    direct_runs_plain(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+# The direct path's entry points by ``stream``: (name, loop, what it does). With rows made per
+# position (see launch_filled), idx holds positions, and the arguments in the tables' and
+# copy_tail's places are the level tables, the frequencies and the rows' scale; each task's
+# scratch block is a buffer of rows.
+_DIRECT = {
+    DIRECT: ("rotate_range_direct", direct_runs_streaming, "streaming stores (DIRECT)"),
+    VECTOR: ("rotate_range_vector", direct_runs_plain, "plain stores (VECTOR)"),
+    VECTOR_AHEAD: (
+        "rotate_range_vector_ahead",
+        direct_runs_plain_ahead,
+        "plain stores, each row's input asked for ahead (VECTOR_AHEAD)",
+    ),
+    UNALIGNED: (
+        "rotate_range_unaligned",
+        direct_runs_unaligned,
+        "plain stores anywhere on the element grid (UNALIGNED)",
+    ),
+    CHUNKED: (
+        "rotate_range_chunked",
+        direct_runs_chunked,
+        "rows streamed in chunks on the 16-byte grid (CHUNKED)",
+    ),
+    CHUNKED_PLAIN: (
+        "rotate_range_chunked_plain",
+        direct_runs_chunked_plain,
+        "rows in chunks on the 16-byte grid, plain stores (CHUNKED_PLAIN)",
+    ),
+}
+_FILLED = (DIRECT, VECTOR, VECTOR_AHEAD, CHUNKED, CHUNKED_PLAIN)
 
 
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_vector_ahead(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """VECTOR for calls too large for the cache, each row's input asked for ahead
-    (VECTOR_AHEAD)."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_plain_ahead(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
-    direct_runs_plain_ahead(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
+def _styles(name, runs, filled, doc):
+    return {
+        half: _direct_kernel(name, runs, filled, half, f"The direct path, {doc}")
+        for half in (False, True)
+    }
 
 
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_unaligned(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """The direct path with plain stores anywhere on the element grid (UNALIGNED)."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_unaligned(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
-    direct_runs_unaligned(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_chunked(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """The direct path's rows streamed in chunks on the 16-byte grid (CHUNKED: see _direct)."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_chunked(x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None)
-    direct_runs_chunked(x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_chunked_plain(
-    x1, o1, i1, x2, o2, i2, g, cos, sin, seg, rotary_dim, d, half, inv, copy_tail, scratch, first,
-    stop,
-):  # fmt: skip
-    """CHUNKED with plain stores."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    direct_runs_chunked_plain(
-        x1, o1, i1, g[0], f1, s1, cos, sin, seg, rotary_dim, d, half, inv, None
-    )
-    direct_runs_chunked_plain(
-        x2, o2, i2, g[1], f2, s2, cos, sin, seg, rotary_dim, d, half, inv, None
-    )
-
-
-# The direct path with rows from the level tables (see launch_filled): idx holds positions, and
-# the arguments in the tables' and copy_tail's places are the level tables, the frequencies and
-# the rows' scale; each task's scratch block is a buffer of rows (see launch_filled).
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_filled_direct(
-    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
-    stop,
-):  # fmt: skip
-    """DIRECT, rows filled per position."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    src = (levels, inv_freq, scale, buf)
-    c, s = buf[0], buf[1]
-    direct_runs_streaming(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
-    direct_runs_streaming(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_filled_vector(
-    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
-    stop,
-):  # fmt: skip
-    """VECTOR, rows filled per position."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    src = (levels, inv_freq, scale, buf)
-    c, s = buf[0], buf[1]
-    direct_runs_plain(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
-    direct_runs_plain(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_filled_vector_ahead(
-    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
-    stop,
-):  # fmt: skip
-    """VECTOR_AHEAD, rows filled per position."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    src = (levels, inv_freq, scale, buf)
-    c, s = buf[0], buf[1]
-    direct_runs_plain_ahead(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
-    direct_runs_plain_ahead(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_filled_chunked(
-    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
-    stop,
-):  # fmt: skip
-    """CHUNKED, rows filled per position."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    src = (levels, inv_freq, scale, buf)
-    c, s = buf[0], buf[1]
-    direct_runs_chunked(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
-    direct_runs_chunked(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
-
-
-@njit(cache=DISK_CACHE, nogil=True)
-def rotate_range_filled_chunked_plain(
-    x1, o1, i1, x2, o2, i2, g, levels, inv_freq, seg, rotary_dim, d, half, inv, scale, buf, first,
-    stop,
-):  # fmt: skip
-    """CHUNKED_PLAIN, rows filled per position."""
-    f1, s1, f2, s2 = _shares(g, first, stop)
-    src = (levels, inv_freq, scale, buf)
-    c, s = buf[0], buf[1]
-    direct_runs_chunked_plain(x1, o1, i1, g[0], f1, s1, c, s, seg, rotary_dim, d, half, inv, src)
-    direct_runs_chunked_plain(x2, o2, i2, g[1], f2, s2, c, s, seg, rotary_dim, d, half, inv, src)
-
-
+# By ``stream`` (see launch) and pair style (half_style): the one-thread kernel
+KERNELS = {stream: _styles(name, runs, False, doc) for stream, (name, runs, doc) in _DIRECT.items()}
+KERNELS[0] = KERNELS[SCRATCH] = {False: rotate_range, True: rotate_range}
 FILLED_KERNELS = {
-    DIRECT: rotate_range_filled_direct,
-    VECTOR: rotate_range_filled_vector,
-    VECTOR_AHEAD: rotate_range_filled_vector_ahead,
-    CHUNKED: rotate_range_filled_chunked,
-    CHUNKED_PLAIN: rotate_range_filled_chunked_plain,
+    stream: _styles(name.replace("range", "range_filled"), runs, True, doc)
+    for stream, (name, runs, doc) in _DIRECT.items()
+    if stream in _FILLED
 }
 
-# By ``stream`` (see launch): the one-thread kernel
-KERNELS = {
-    0: rotate_range,
-    SCRATCH: rotate_range,
-    DIRECT: rotate_range_direct,
-    VECTOR: rotate_range_vector,
-    VECTOR_AHEAD: rotate_range_vector_ahead,
-    UNALIGNED: rotate_range_unaligned,
-    CHUNKED: rotate_range_chunked,
-    CHUNKED_PLAIN: rotate_range_chunked_plain,
-}
+
+def kernels():
+    """Every one-thread entry point, once."""
+    found = {rotate_range}
+    for table in (KERNELS, FILLED_KERNELS):
+        found.update(kernel for styles in table.values() for kernel in styles.values())
+    return found
