@@ -23,9 +23,9 @@ from numba.extending import overload
 
 from ._angles import chunk_rows, fill_chunk, table_row
 from ._config import HARDWARE_F16, VECTOR_BYTES
-from ._ladder import chunk_walk, ladder, line_walk, variant
+from ._ladder import LINE_BYTES, chunk_walk, ladder, line_walk, variant
 from ._runs import run_start
-from ._simd import address, copy_bytes, copy_element, prefetch_row, store_fence
+from ._simd import address, copy_bytes, copy_element, prefetch_row, store_fence, stream_line
 
 # Bytes per step of the tail copy while a row's tail has that many left (then 16)
 _TAIL_STEP_BYTES = 64
@@ -123,10 +123,21 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         item = o.dtype.bitwidth // 8
         step, step_16, one = (np.uint64(w // item) for w in (_TAIL_STEP_BYTES, 16, item))
 
+        line, per_line = np.uint64(LINE_BYTES), np.uint64(LINE_BYTES // item)
+
         def impl(x, xr, o, orow, start, end):
             # unsigned while loops: LLVM keeps a range with a runtime step here as a loop that
             # spills its registers
             t = start
+            if nontemporal and aligned:
+                # on the line grid, as _ladder.line_walk writes rows: 16 bytes at a time to the
+                # first line boundary, then one aligned streaming store per whole line
+                while t + step_16 <= end and address(o, orow + t) % line:
+                    copy_16(x, xr + t, o, orow + t)
+                    t += step_16
+                while t + per_line <= end:
+                    stream_line(o, orow + t, x, xr + t)
+                    t += per_line
             while t + step <= end:
                 copy_step(x, xr + t, o, orow + t)
                 t += step
