@@ -44,7 +44,7 @@ def _calls(rope, dtype):
     from .backends.cpu._config import CONFIG, STREAMING
 
     # one pair rotated: pair blocks off the 16-byte grid, rows on it (written in chunks)
-    off_grid = ar.RoPE(rope.head_dim, rotary_dim=2)
+    off_grid = ar.RoPE(rope.head_dim, style=rope.style, rotary_dim=2)
 
     rng = np.random.default_rng(0)
     step = rng.standard_normal((1, 8, 1, rope.head_dim)).astype(dtype)
@@ -127,8 +127,8 @@ def warmup(
     start = time.perf_counter()
     for name in dtypes:
         dtype = _dtype(name)
-        # both pair styles: the direct path compiles a kernel per style (most other kernels
-        # serve both, and load from the cache the second time)
+        # both pair styles: the direct path compiles a kernel per style (the other kernels
+        # serve both, compiled by the first style's calls)
         for style in ("interleaved", "half"):
             rope = ar.RoPE(head_dim, style=style)
             for variant, call in _calls(rope, dtype):

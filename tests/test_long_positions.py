@@ -316,3 +316,33 @@ def test_the_level_tables_are_bounded_whatever_the_position():
     tables = rope._default.tables
     assert tables.level_bytes() <= 5 << 20  # 64 pairs
     assert sum(t.nbytes for t in tables._tables.values()) <= 32 << 20
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_large_in_place_calls_past_the_cache_ask_for_rows_ahead(monkeypatch, dtype, style, rng):
+    # In place, rows made per position take the direct path's plain stores (VECTOR), and from
+    # stream_above bytes on the same loop asking for each row's input ahead (VECTOR_AHEAD):
+    # the same bits.
+    if not _config.STREAMING or (dtype == np.float16 and not _config.HARDWARE_F16):
+        pytest.skip("the direct path is used on x86-64 only (float16 where the CPU converts it)")
+    kinds = []
+    launch = cpu.launch_filled
+
+    def recorded(*args):
+        kinds.append(launch(*args))
+        return kinds[-1]
+
+    monkeypatch.setattr(cpu, "launch_filled", recorded)
+    rope = ar.RoPE(16, style=style, max_positions=8)  # cap: 8 rows
+    x = random_array(rng, (2, 3, 40, 16), dtype)
+    pos = rng.integers(0, 2**31, 40)
+    results = []
+    for stream_above in (1 << 40, 0):
+        y = x.copy()
+        with _config.override(small_below=0, serial_below=0, stream_above=stream_above):
+            rope.rotate(y, pos, out=y)
+        results.append(y)
+    assert kinds == [cpu.VECTOR, cpu.VECTOR_AHEAD]
+    np.testing.assert_array_equal(bits(results[1]), bits(results[0]))
+    assert_matches(results[1], oracle(x, pos, style=style), x)

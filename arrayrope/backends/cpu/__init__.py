@@ -441,7 +441,8 @@ def _chunks_hold(spec, operands):
 
 
 def direct_path(spec, operands, segments, cos, sin):
-    """Whether the direct path (DIRECT or VECTOR) can write these outputs (in place too): one
+    """Whether the direct path (DIRECT, VECTOR or VECTOR_AHEAD) can write these outputs (in
+    place too): one
     run of pairs per row, table rows of unit stride (its vector loads assume it) with cos and
     sin laid out alike (one offset addresses a row of both), a pair block, tail and every output
     row starting on a 16-byte boundary, and float16 converted by the CPU (F16C)."""

@@ -62,9 +62,10 @@ class Config:
     small_below: int
     # Outputs of at least this many bytes, not written in place, take streaming stores: a plain
     # store first reads each line it writes, a third stream of memory traffic. Smaller results
-    # may still be in cache when they are used next, which streaming would forfeit. The fused
-    # step (rotate_into_cache) asks for its inputs ahead where they are this large, and streams
-    # its results and cache rows as rotate does.
+    # may still be in cache when they are used next, which streaming would forfeit. Calls whose
+    # inputs come to this many bytes (in place too) ask for each row's input ahead (see
+    # _direct._AHEAD_BYTES); the fused step (rotate_into_cache) asks for its inputs ahead where
+    # they are this large, and streams its results and cache rows as rotate does.
     stream_above: int
     # Aligned outputs below stream_above, arrays rotated in place, and outputs of any size off
     # the 16-byte grid take the direct path's vector loop with plain stores (those whose rows

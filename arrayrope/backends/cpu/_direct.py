@@ -27,13 +27,13 @@ from ._ladder import LINE_BYTES, chunk_walk, ladder, line_walk, variant
 from ._runs import run_start
 from ._simd import address, copy_bytes, copy_element, prefetch_row, store_fence, stream_line
 
-# Bytes per step of the tail copy while a row's tail has that many left (then 16)
+# Bytes per step of a tail copied with plain stores while the tail has that many left (then
+# 16); streamed tails go by whole lines (see copy_tail)
 _TAIL_STEP_BYTES = 64
 
-# How far ahead of the row being rotated a large call asks for its input (``ahead``): the row
-# that starts this many bytes on (at least the next row). The CPU's own prefetchers leave the
-# rows of large arrays waiting on memory: asked for ahead, the 2-byte types ran 1.1-1.6x
-# faster past the cache (in place too), float32 about the same.
+# How far ahead of the row being rotated a large call asks for its input (``ahead``): as many
+# rows on as this many bytes of row data fill (at least the next row). The CPU's own
+# prefetchers leave the rows of large arrays waiting on memory, the 2-byte types' most.
 _AHEAD_BYTES = 4096
 
 
@@ -69,12 +69,11 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     is written in chunks on the grid (see _ladder.chunk_walk), the tail from the first
     boundary past the rotary part on; results stream where ``nontemporal``.
 
-    ``ahead`` (calls too large for the cache): before each row, the row _AHEAD_BYTES on is
-    asked for (see _simd.prefetch_row; a request past the operand's rows is harmless).
+    ``ahead`` (calls too large for the cache): before each row, a row _AHEAD_BYTES of row data
+    on is asked for (see _simd.prefetch_row; a request past the operand's rows is harmless).
 
     ``half``, the pair style, is a compile-time constant (a literal True or False: see
-    _rows.KERNELS), so that a kernel holds one style's steps: with both, the streaming kernels
-    took a third longer to compile.
+    _rows.KERNELS), so that a kernel holds one style's steps, which compiles faster.
     """
     if aligned:
         # Steps of VECTOR_BYTES of output while a row has that many left, then 32 and 16 (rows
@@ -163,7 +162,7 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
         x, o, idx, g, first, stop, cos, sin, seg, rotary_dim, d, half, inv, source
     ):
         if not isinstance(half, types.BooleanLiteral):
-            raise TypingError(f"the direct path's pair style must be a constant, got {half}")
+            raise TypingError(f"half (the pair style) must be a literal True or False, got {half}")
         style = half.literal_value
         named = (*parts, "half" if style else "pairs")
         # launch passes None only to the streaming loop (see launch), which hands it on
@@ -223,9 +222,11 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
             tail_at = (n + per - np.uint64(1)) // per * per if chunked else n
             end = np.uint64(width)
             tails = width > rotary_dim
-            # rows ahead, as an element offset (ahead is a constant: the branches below on it
-            # are compiled only where it is True)
-            skip = np.uint64(max(1, _AHEAD_BYTES // (d * o.itemsize)) * sx)
+            # rows ahead, as an element offset (ahead is a constant: the branches on it are
+            # compiled only where it is True)
+            skip = np.uint64(0)
+            if ahead:
+                skip = np.uint64(max(1, _AHEAD_BYTES // (d * o.itemsize)) * sx)
             held, held_rows = np.int64(-1), np.int64(0)  # the chunk ``source`` holds
             row_at = first
             while row_at < stop:

@@ -102,7 +102,7 @@ def _plain_entry(kernel):
 # overload's library and wrapper name, known to work with Numba 0.68); False forces the
 # fallback (tests), and it is set False when those internals are not found.
 FUNCTION_POINTERS = True
-_plain_entries = {}  # finite store: by kernel, one of _rows' six
+_plain_entries = {}  # finite store: by kernel, one of _rows.kernels()
 
 
 def _pointer_entry(kernel, args, scratch):

@@ -253,9 +253,10 @@ def _shares(g, first, stop):
     return first, min(stop, n1), max(first, n1) - n1, stop - n1
 
 
-# The general path's one-thread entry points, one per way of storing results (see launch), each
-# compiled only when a call needs it. All take the same arguments (the direct ones ignore
-# copy_tail and scratch): the operands (x, out, idx) of q and k, the launch geometry g, the
+# The general path's one-thread entry points, one per way of storing results (see launch) and,
+# on the direct path, per pair style, each compiled only when a call needs it. All take the
+# same arguments (the direct ones ignore copy_tail and scratch, and the style, which each holds
+# as a constant): the operands (x, out, idx) of q and k, the launch geometry g, the
 # tables, the layout, the scratch block (see _parallel.scratch_blocks), and the range
 # first..stop-1 of q's rows followed by k's that they rotate. ``x`` None means in place (the
 # direct path's plain-store kernel is given x itself there: see launch). They allocate nothing:
