@@ -62,8 +62,8 @@ _F16 = np.dtype(np.float16)
 
 def launch(spec, operands, cos, sin, inverse):
     """Rotate one or two operands (q and k) in one kernel call: the general strategy. Returns
-    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR, VECTOR_AHEAD, UNALIGNED,
-    CHUNKED or CHUNKED_PLAIN).
+    how the results were stored (0: plain stores; SCRATCH, DIRECT, VECTOR, VECTOR_AHEAD,
+    UNALIGNED, CHUNKED or CHUNKED_PLAIN).
 
     ``operands`` holds (x, out, idx) triples: x and out of shape (L leading..., d), addressable
     (see ``_arrays.addressable``), ``out is x`` for in place; idx int64 of shape (L axes of
@@ -442,10 +442,10 @@ def _chunks_hold(spec, operands):
 
 def direct_path(spec, operands, segments, cos, sin):
     """Whether the direct path (DIRECT, VECTOR or VECTOR_AHEAD) can write these outputs (in
-    place too): one
-    run of pairs per row, table rows of unit stride (its vector loads assume it) with cos and
-    sin laid out alike (one offset addresses a row of both), a pair block, tail and every output
-    row starting on a 16-byte boundary, and float16 converted by the CPU (F16C)."""
+    place too): one run of pairs per row, table rows of unit stride (its vector loads assume
+    it) with cos and sin laid out alike (one offset addresses a row of both), a pair block, tail
+    and every output row starting on a 16-byte boundary, and float16 converted by the CPU
+    (F16C)."""
     x = operands[0][0]
     item = x.itemsize
     if segments.shape[0] != 1 or (x.dtype == _F16 and not HARDWARE_F16):
