@@ -15,8 +15,9 @@ from .rope import Array, Positions, RoPE
 from .scaling import ScalingRule
 
 # The RoPEs the module-level functions share, by (head_dim, base, style, rotary_dim, scaling):
-# a decode step finds its RoPE with one dictionary lookup.
-_shared = Bounded(64)
+# a decode step finds its RoPE with one dictionary lookup. Kept when the launch configuration
+# changes: it does not shape their tables.
+_shared = Bounded(64, survives_config=True)
 _NDARRAY = np.ndarray
 
 

@@ -7,7 +7,9 @@ Module-level state is of three kinds, and each store says which it is beside its
   Every cache is a :class:`Bounded`: a lookup is a plain ``dict.get`` (a decode step's budget
   has no room for more); an insert past the limit drops the oldest entry first, which serves as
   well as least-recently-used without a bookkeeping write on every hit. :func:`clear_all`
-  empties them when the configuration changes.
+  empties them when the configuration changes, but for those made ``survives_config``: a
+  RoPE's cos/sin tables and the shared RoPEs that hold them, which the CPU launch
+  configuration does not shape and which cost milliseconds to rebuild.
 - **Finite stores** are plain dicts keyed by a closed set, so bounded by it: compiled kernels
   and entry points by variant, loaded modules by name, per-framework or per-device helpers.
   They are never dropped: an entry costs a compile to remake.
@@ -27,13 +29,15 @@ _every = []  # weak references to every Bounded (a dict is unhashable: no WeakSe
 
 
 class Bounded(dict):
-    """A dict of at most ``limit`` entries."""
+    """A dict of at most ``limit`` entries; ``survives_config``: kept when the CPU launch
+    configuration changes (see :func:`clear_all`)."""
 
-    __slots__ = ("limit", "__weakref__")
+    __slots__ = ("limit", "survives_config", "__weakref__")
 
-    def __init__(self, limit):
+    def __init__(self, limit, survives_config=False):
         super().__init__()
         self.limit = limit
+        self.survives_config = survives_config
         if len(_every) > 4096:
             _every[:] = [ref for ref in _every if ref() is not None]
         _every.append(weakref.ref(self))
@@ -49,12 +53,14 @@ class Bounded(dict):
         return value
 
 
-def clear_all():
-    """Empty every cache: configuration changed, and what was built under it may not hold."""
+def clear_all(config_change=False):
+    """Empty every cache: what was built may not hold. ``config_change`` (the CPU launch
+    configuration changed): every cache but those made ``survives_config``."""
     alive = []
     for ref in list(_every):
         cache = ref()
         if cache is not None:
-            cache.clear()
+            if not (config_change and cache.survives_config):
+                cache.clear()
             alive.append(ref)
     _every[:] = alive

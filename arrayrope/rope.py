@@ -164,7 +164,7 @@ class RoPE:
             dynamic=scaling is not None and scaling.dynamic,
         )
         # A long-running length-dependent rule must not pile up tables: one set per length.
-        self._sets = Bounded(64)
+        self._sets = Bounded(64, survives_config=True)
         self._lock = threading.Lock()
         self._default = self._freq_set(None)
         self._engine = Engine(self._spec, self._freq_set, self, _ROTATE)

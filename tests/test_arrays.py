@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arrayrope import RopeTypeError, RopeValueError, _arrays, _cache, _positions
+import arrayrope as ar
+from arrayrope import RopeTypeError, RopeValueError, _api, _arrays, _cache, _positions
 from arrayrope._arrays import NUMPY
 
 
@@ -113,6 +114,27 @@ def test_bounded_drops_the_oldest_first():
     assert list(cache) == [2, 3, 4] and cache[3] == "again"
     _cache.clear_all()
     assert not cache
+
+
+def test_a_config_change_keeps_the_tables_and_drops_the_plans():
+    from arrayrope.backends.cpu import _config
+
+    rope = ar.RoPE(64)
+    x = np.ones((2, 3, 64), np.float32)
+    rope.rotate(x, 1000)
+    tables = rope._freq_set(None).tables
+    levels = tables.level_arrays()
+    plans = rope._engine.plans
+    assert plans and tables._tables
+    with _config.override(stream_above=0):
+        assert not plans  # plans follow the launch configuration
+        assert rope._freq_set(None).tables is tables and tables.level_arrays() is levels
+        assert ar.rotate(x, 7) is not None
+        shared = _api.shared_rope(64, 10000.0, "interleaved", None, None)
+    assert _api.shared_rope(64, 10000.0, "interleaved", None, None) is shared
+    _cache.clear_all()  # anything else (a device backend swapped): everything goes
+    assert rope._freq_set(None).tables is not tables
+    assert _api.shared_rope(64, 10000.0, "interleaved", None, None) is not shared
 
 
 @given(

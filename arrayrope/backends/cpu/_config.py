@@ -165,16 +165,17 @@ DISK_CACHE = (
 @contextlib.contextmanager
 def override(**changes):
     """Run with some of :class:`Config`'s fields changed (tests); plans built before or inside
-    are dropped, so that each is built under the config in force."""
+    are dropped, so that each is built under the config in force (cos/sin tables are kept:
+    see _cache)."""
     global CONFIG
     saved = CONFIG
     CONFIG = dataclasses.replace(saved, **changes)
-    _cache.clear_all()
+    _cache.clear_all(config_change=True)
     try:
         yield CONFIG
     finally:
         CONFIG = saved
-        _cache.clear_all()
+        _cache.clear_all(config_change=True)
 
 
 # GNU OpenMP, Numba's "omp" threading layer, does not survive fork(): Numba kills (SIGTERM) a
