@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from ._cache import Bounded
 from ._errors import RopeError, RopeValueError
 from .scaling import plain_inv_freq
 
@@ -36,6 +37,12 @@ PARALLEL_PAIRS = 1 << 15
 # A decode step's rows past the cap (see step_rows) are kept for steps of at most this many
 # tokens: a prefill's would hold megabytes for a call that is not repeated.
 STEP_ROWS_KEPT = 256
+
+# cache: level tables (72 KiB per pair) by their frequencies' bytes. RoPEs of one head size and
+# base share them (the layers of one model, a RoPE made anew per call): a build costs
+# milliseconds, more than the small cache it starts. Kept when the launch configuration
+# changes: it does not shape them.
+_levels = Bounded(8, survives_config=True)
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -256,18 +263,21 @@ class CosSinTables:
         return make
 
     def level_arrays(self):
-        """(pair_axis, inv_freq, level tables) as the fill kernels take them, built once."""
+        """(pair_axis, inv_freq, level tables) as the fill kernels take them, built once (the level
+        tables shared with other RoPEs of the same frequencies: never written)."""
         found = self._levels
         if found is None:
             from .backends.cpu import _angles
 
             with self._lock:
                 if self._levels is None:
-                    self._levels = (
-                        np.ascontiguousarray(self.pair_axis, dtype=np.int64),
-                        np.ascontiguousarray(self.inv_freq, dtype=np.float64),
-                        _angles.level_tables(self.inv_freq),
-                    )
+                    inv_freq = np.ascontiguousarray(self.inv_freq, dtype=np.float64)
+                    key = inv_freq.tobytes()
+                    levels = _levels.get(key)
+                    if levels is None:
+                        levels = _levels.put(key, _angles.level_tables(inv_freq))
+                    pair_axis = np.ascontiguousarray(self.pair_axis, dtype=np.int64)
+                    self._levels = (pair_axis, inv_freq, levels)
                 found = self._levels
         return found
 

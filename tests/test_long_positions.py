@@ -318,6 +318,18 @@ def test_the_level_tables_are_bounded_whatever_the_position():
     assert sum(t.nbytes for t in tables._tables.values()) <= 32 << 20
 
 
+def test_ropes_of_the_same_frequencies_share_their_level_tables():
+    x = np.ones((1, 2, 3, 64), np.float32)
+    first, again, other = ar.RoPE(64), ar.RoPE(64), ar.RoPE(64, base=500_000.0)
+    for rope in (first, again, other):
+        rope.rotate(x, 10**6)
+    levels = [rope._default.tables.level_arrays()[2] for rope in (first, again, other)]
+    assert levels[0] is levels[1] and levels[2] is not levels[0]
+    # the values of the frequencies they were built for
+    want = ar.RoPE(64, base=500_000.0)._default.tables.inv_freq
+    np.testing.assert_array_equal(levels[2][1, 1], np.sin(want))  # sin(1 * theta_j)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 def test_large_in_place_calls_past_the_cache_ask_for_rows_ahead(monkeypatch, dtype, style, rng):

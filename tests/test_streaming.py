@@ -331,7 +331,7 @@ def test_direct_path_in_place_writes_what_the_general_loop_writes(
             _general(rope, (expected,), pos, (expected,), inverse)
         np.testing.assert_array_equal(bits(y), bits(expected))
         mask = np.ones(buffer.size, bool)
-        mask[np.unique(_offsets(buffer, y))] = False
+        mask[_offsets(buffer, y)] = False
         np.testing.assert_array_equal(words[mask], outside[mask])
     vector = cpu.VECTOR if size == "in cache" else cpu.VECTOR_AHEAD
     way = {"direct": vector, "chunked": cpu.UNALIGNED, "unaligned": cpu.UNALIGNED, None: 0}
@@ -417,7 +417,7 @@ def _assert_streams_plain_bits(
         (expected,) = _general(rope, (x,), pos, (poisoned(x.shape, x.dtype),), inverse)
     np.testing.assert_array_equal(bits(out), bits(expected))
     mask = np.ones(buffer.size, bool)
-    mask[np.unique(_offsets(buffer, out))] = False
+    mask[_offsets(buffer, out)] = False
     assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
 
 
@@ -718,7 +718,7 @@ def _assert_written_inside(buffers, outs):
     """Every element of each poisoned buffer outside its output still poison."""
     for buffer, out in zip(buffers, outs):
         mask = np.ones(buffer.size, bool)
-        mask[np.unique(_offsets(buffer, out))] = False
+        mask[_offsets(buffer, out)] = False
         assert np.isnan(buffer[mask].astype(np.float32)).all(), "a write outside the output"
 
 
