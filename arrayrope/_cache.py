@@ -7,9 +7,9 @@ Module-level state is of three kinds, and each store says which it is beside its
   Every cache is a :class:`Bounded`: a lookup is a plain ``dict.get`` (a decode step's budget
   has no room for more); an insert past the limit drops the oldest entry first, which serves as
   well as least-recently-used without a bookkeeping write on every hit. :func:`clear_all`
-  empties them when the configuration changes, but for those made ``survives_config``: a
-  RoPE's cos/sin tables and the shared RoPEs that hold them, which the CPU launch
-  configuration does not shape and which cost milliseconds to rebuild.
+  empties them when the configuration changes, but for those made ``survives_config``: cos/sin
+  and level tables and the shared RoPEs that hold them, which the CPU launch configuration
+  does not shape and which cost milliseconds to rebuild.
 - **Finite stores** are plain dicts keyed by a closed set, so bounded by it: compiled kernels
   and entry points by variant, loaded modules by name, per-framework or per-device helpers.
   They are never dropped: an entry costs a compile to remake.

@@ -42,7 +42,7 @@ STEP_ROWS_KEPT = 256
 # base share them (the layers of one model, a RoPE made anew per call): a build costs
 # milliseconds, more than the small cache it starts. Kept when the launch configuration
 # changes: it does not shape them.
-_levels = Bounded(8, survives_config=True)
+_shared_levels = Bounded(8, survives_config=True)
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -273,9 +273,9 @@ class CosSinTables:
                 if self._levels is None:
                     inv_freq = np.ascontiguousarray(self.inv_freq, dtype=np.float64)
                     key = inv_freq.tobytes()
-                    levels = _levels.get(key)
+                    levels = _shared_levels.get(key)
                     if levels is None:
-                        levels = _levels.put(key, _angles.level_tables(inv_freq))
+                        levels = _shared_levels.put(key, _angles.level_tables(inv_freq))
                     pair_axis = np.ascontiguousarray(self.pair_axis, dtype=np.int64)
                     self._levels = (pair_axis, inv_freq, levels)
                 found = self._levels
