@@ -38,11 +38,12 @@ PARALLEL_PAIRS = 1 << 15
 # tokens: a prefill's would hold megabytes for a call that is not repeated.
 STEP_ROWS_KEPT = 256
 
-# cache: level tables (72 KiB per pair) by their frequencies' bytes. RoPEs of one head size and
-# base share them (the layers of one model, a RoPE made anew per call): a build costs
+# cache: level tables (72 KiB per pair) by their frequencies' bytes. RoPEs of the same
+# frequencies share them (the layers of one model, a RoPE made anew per call): a build costs
 # milliseconds, more than the small cache it starts. Kept when the launch configuration
-# changes: it does not shape them.
+# changes: it does not shape them. The lock makes one build per set, whichever RoPEs ask.
 _shared_levels = Bounded(8, survives_config=True)
+_shared_levels_lock = threading.Lock()
 
 
 def _angles_to_tables(xp, angles, scale, dtype):
@@ -273,9 +274,10 @@ class CosSinTables:
                 if self._levels is None:
                     inv_freq = np.ascontiguousarray(self.inv_freq, dtype=np.float64)
                     key = inv_freq.tobytes()
-                    levels = _shared_levels.get(key)
-                    if levels is None:
-                        levels = _shared_levels.put(key, _angles.level_tables(inv_freq))
+                    with _shared_levels_lock:  # taken under no other lock: no deadlock
+                        levels = _shared_levels.get(key)
+                        if levels is None:
+                            levels = _shared_levels.put(key, _angles.level_tables(inv_freq))
                     pair_axis = np.ascontiguousarray(self.pair_axis, dtype=np.int64)
                     self._levels = (pair_axis, inv_freq, levels)
                 found = self._levels

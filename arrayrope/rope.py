@@ -31,7 +31,9 @@ Positions = Any  # an int, a float, None, or an array of them (NumPy, CuPy, DLPa
 # The engines' modes: a frequency set's tables scale as FreqSet.of says for each
 _ROTATE, _SHIFT, _UNDO = "rotate", "shift", "undo"
 
-_restored = Bounded(64)
+# cache: the RoPEs of unpickled configurations, by configuration; kept when the launch
+# configuration changes, which does not shape their tables
+_restored = Bounded(64, survives_config=True)
 
 
 def _restore(config):
@@ -163,7 +165,8 @@ class RoPE:
             segments=frozen(segments(pair_axis)),
             dynamic=scaling is not None and scaling.dynamic,
         )
-        # A long-running length-dependent rule must not pile up tables: one set per length.
+        # A long-running length-dependent rule must not pile up tables: one set per length. Kept
+        # when the launch configuration changes: it does not shape the tables.
         self._sets = Bounded(64, survives_config=True)
         self._lock = threading.Lock()
         self._default = self._freq_set(None)

@@ -129,6 +129,8 @@ def test_a_config_change_keeps_the_tables_and_drops_the_plans():
     with _config.override(stream_above=0):
         assert not plans  # plans follow the launch configuration
         assert rope._freq_set(None).tables is tables and tables.level_arrays() is levels
+        # and a RoPE made now finds the same frequencies' level tables built
+        assert ar.RoPE(64)._default.tables.level_arrays()[2] is levels[2]
         shared = _api.shared_rope(64, 10000.0, "interleaved", None, None)
     assert _api.shared_rope(64, 10000.0, "interleaved", None, None) is shared
     _cache.clear_all()  # anything else (a device backend swapped): everything goes
