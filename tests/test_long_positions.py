@@ -330,6 +330,25 @@ def test_ropes_of_the_same_frequencies_share_their_level_tables():
     np.testing.assert_array_equal(levels[2][1, 1], np.sin(want))  # sin(1 * theta_j)
 
 
+def test_ropes_building_their_level_tables_at_once_share_one_build(rng):
+    import threading
+
+    base = float(rng.uniform(20_000, 30_000))  # frequencies no other test has built
+    ropes = [ar.RoPE(256, base=base) for _ in range(4)]
+    start, found = threading.Barrier(len(ropes)), [None] * len(ropes)
+
+    def build(i):
+        start.wait()
+        found[i] = ropes[i]._default.tables.level_arrays()[2]
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(len(ropes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(levels is found[0] for levels in found)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 def test_large_in_place_calls_past_the_cache_ask_for_rows_ahead(monkeypatch, dtype, style, rng):
