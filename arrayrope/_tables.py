@@ -274,7 +274,9 @@ class CosSinTables:
                 if self._levels is None:
                     inv_freq = np.ascontiguousarray(self.inv_freq, dtype=np.float64)
                     key = inv_freq.tobytes()
-                    with _shared_levels_lock:  # taken under no other lock: no deadlock
+                    # inside self._lock; nothing holding _shared_levels_lock takes a table
+                    # lock, so the two cannot deadlock
+                    with _shared_levels_lock:
                         levels = _shared_levels.get(key)
                         if levels is None:
                             levels = _shared_levels.put(key, _angles.level_tables(inv_freq))
