@@ -41,7 +41,8 @@ def _calls(rope, dtype):
     import arrayrope as ar
 
     from ._tables import PARALLEL_PAIRS
-    from .backends.cpu._config import CONFIG, STREAMING
+    from .backends.cpu import _config
+    from .backends.cpu._config import STREAMING
 
     # one pair rotated: pair blocks off the 16-byte grid, rows on it (written in chunks)
     off_grid = ar.RoPE(rope.head_dim, style=rope.style, rotary_dim=2)
@@ -85,9 +86,10 @@ def _calls(rope, dtype):
             lambda: rope.rotate_into_cache(tokens, kv, kv, slots, paged[0], paged[1], slots),
         ),
     ]
-    if STREAMING and CONFIG.stream_above <= _STREAMING_UP_TO:
+    streams_from = _config.streams_from(dtype.itemsize)
+    if STREAMING and streams_from <= _STREAMING_UP_TO:
         # a result this large takes streaming stores (16 positions: a small table)
-        rows = -(-CONFIG.stream_above // (16 * rope.head_dim * dtype.itemsize))
+        rows = -(-streams_from // (16 * rope.head_dim * dtype.itemsize))
         huge = np.zeros((rows, 16, rope.head_dim), dtype)
         calls.append(("parallel, streaming stores", lambda: rope.rotate(huge)))
         calls.append(("parallel, in place, as large", lambda: rope.rotate(huge, out=huge)))

@@ -359,15 +359,16 @@ def _stream(spec, operands, segments, cos, sin):
 
 def _plain(operands):
     """The direct path with plain stores: VECTOR_AHEAD where the operands (in place, say) hold
-    at least CONFIG.stream_above bytes, too large for the cache, else VECTOR."""
+    at least as many bytes as would stream (see _config.streams_from), too large for the
+    cache, else VECTOR."""
     size = sum(x.nbytes for x, _, _ in operands)
-    return VECTOR_AHEAD if size >= _config.CONFIG.stream_above else VECTOR
+    return VECTOR_AHEAD if size >= _config.streams_from(operands[0][0].itemsize) else VECTOR
 
 
 def _streams(operands):
-    """Whether the results are large enough for streaming stores (see Config.stream_above)."""
+    """Whether the results are large enough for streaming stores (see _config.streams_from)."""
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    return written > 0 and written >= _config.CONFIG.stream_above
+    return written > 0 and written >= _config.streams_from(operands[0][1].itemsize)
 
 
 def _flat_operands(operands, stream):

@@ -252,14 +252,15 @@ def layout_vector(spec, q, out, k, v, k_cache, v_cache, cos, sin):
 
 def large_step_bits(q, k, v):
     """The bits of a step whose inputs are too large for the cache (q, k and v together at
-    least CONFIG.stream_above bytes, the size past which rotate's results stream), else 0:
-    PREFETCH, the step asks for each token's rows of q, k and v two tokens before it rotates
-    them (see _fused._token), where the CPU's own prefetching leaves it waiting on memory;
-    and on x86-64 (where rotate streams) STREAM_Q and STREAM_KV, its results and cache rows
-    that take the vector steps are written with streaming stores, as rotate's are: a plain
-    store would first read each line it writes. In cache the requests only cost
-    instructions, and plain stores leave the rows in cache for attention."""
-    if q.nbytes + k.nbytes + v.nbytes < _config.CONFIG.stream_above:
+    least as many bytes as rotate's results of q's dtype stream from: see
+    _config.streams_from), else 0: PREFETCH, the step asks for each token's rows of q, k and v
+    two tokens before it rotates them (see _fused._token), where the CPU's own prefetching
+    leaves it waiting on memory; and on x86-64 (where rotate streams) STREAM_Q and STREAM_KV,
+    its results and cache rows that take the vector steps are written with streaming stores,
+    as rotate's are: a plain store would first read each line it writes. In cache the
+    requests only cost instructions, and plain stores leave the rows in cache for
+    attention."""
+    if q.nbytes + k.nbytes + v.nbytes < _config.streams_from(q.itemsize):
         return 0
     return PREFETCH | (STREAM_Q | STREAM_KV if _config.STREAMING else 0)
 
