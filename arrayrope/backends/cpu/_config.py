@@ -106,10 +106,11 @@ def _count(environ, name, unit, default):
 CONFIG = Config.from_environment()
 
 # Results of 2-byte elements (float16, bfloat16) stream, and their calls ask for rows ahead,
-# from this many times stream_above. Their rotation is bound by the core's vector ports rather
-# than by memory until the results are well past the cache, and each of their streaming stores
-# goes in 16-byte pieces: below that, plain stores, which also leave the results in cache, are
-# the faster, and so are calls that leave the prefetching to the CPU.
+# from this many times stream_above. Their streaming steps take more instructions than their
+# plain ones (results stored in pieces: see _simd._store_streaming; bfloat16 rounded without
+# AVX512-BF16's instruction), which the memory traffic they save repays only well past the
+# cache: below that, plain stores, which also leave the results in cache, are the faster, and
+# so are calls that leave the prefetching to the CPU.
 HALF_STREAM_FACTOR = 3
 
 
