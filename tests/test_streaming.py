@@ -621,33 +621,35 @@ import numpy as np, ml_dtypes, arrayrope as ar
 from arrayrope.backends.cpu import _config
 assert _config.VECTOR_BYTES == {width} and not _config.DISK_CACHE
 rng = np.random.default_rng(0)
+dtype = {dtype}
 for stream_above in (0, 1 << 62):  # streaming stores, then plain ones (the direct path's both)
     with _config.override(stream_above=stream_above, small_below=0, serial_below=0):
-        for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):  # float64: float32's loop
-            for style in ("interleaved", "half"):
-                # rotary dims whose pair blocks leave every mix of 64-, 32- and 16-byte steps,
-                # and (streaming: the chunk steps' widths are the same in both modes) pair
-                # blocks off the grid, rows written in chunks on it
-                dims = (128, 112, 96, 80, 64, 48, 32, 16)
-                dims += (50, 38, 2) if stream_above == 0 else ()
-                for rotary_dim in dims:
-                    x = rng.standard_normal((2, 4, 9, 128)).astype(dtype)
-                    rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim)
-                    want = rope.rotate(x, 7, backend="numpy").view(np.uint8)
-                    buffer = np.full((2, 4, 9, 128 + 16), np.nan, dtype)
-                    out = buffer[..., 8:136]
-                    rope.rotate(x, 7, out=out)
-                    assert (out.view(np.uint8) == want).all(), (dtype, style, rotary_dim)
-                    assert np.isnan(buffer[..., :8].astype(np.float32)).all()
-                    assert np.isnan(buffer[..., 136:].astype(np.float32)).all()
-                    y = x.copy()  # in place: plain stores, the tail left as it is
-                    rope.rotate(y, 7, out=y)
-                    assert (y.view(np.uint8) == want).all(), ("in place", style, rotary_dim)
+        for style in ("interleaved", "half"):
+            # rotary dims whose pair blocks leave every mix of 64-, 32- and 16-byte steps,
+            # and (streaming: the chunk steps' widths are the same in both modes) pair
+            # blocks off the grid, rows written in chunks on it
+            dims = (128, 112, 96, 80, 64, 48, 32, 16)
+            dims += (50, 38, 2) if stream_above == 0 else ()
+            for rotary_dim in dims:
+                x = rng.standard_normal((2, 4, 9, 128)).astype(dtype)
+                rope = ar.RoPE(128, style=style, rotary_dim=rotary_dim)
+                want = rope.rotate(x, 7, backend="numpy").view(np.uint8)
+                buffer = np.full((2, 4, 9, 128 + 16), np.nan, dtype)
+                out = buffer[..., 8:136]
+                rope.rotate(x, 7, out=out)
+                assert (out.view(np.uint8) == want).all(), (dtype, style, rotary_dim)
+                assert np.isnan(buffer[..., :8].astype(np.float32)).all()
+                assert np.isnan(buffer[..., 136:].astype(np.float32)).all()
+                y = x.copy()  # in place: plain stores, the tail left as it is
+                rope.rotate(y, 7, out=y)
+                assert (y.view(np.uint8) == want).all(), ("in place", style, rotary_dim)
 print("widths ok")
 """
 
 
-def test_the_other_vector_width_writes_the_reference_bits():
+# float64 takes float32's loop; one process per dtype, so that workers share the compiling
+@pytest.mark.parametrize("dtype", ["np.float16", "ml_dtypes.bfloat16", "np.float32"])
+def test_the_other_vector_width_writes_the_reference_bits(dtype):
     # Steps are sized from the host (64 bytes with AVX-512, 32 otherwise): the rest of the suite
     # runs the host's width, and this forces the other one. A vector wider than the hardware's
     # runs in legal pieces, so both run on any x86-64; on a host with AVX-512 the 32-byte run
@@ -667,7 +669,7 @@ def test_the_other_vector_width_writes_the_reference_bits():
         off = [f"-{f[1:]}" if f.startswith("+avx512") else f for f in features]
         env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=",".join(off))
     done = subprocess.run(
-        [sys.executable, "-c", WIDTH_CHECK.format(width=width)],
+        [sys.executable, "-c", WIDTH_CHECK.format(width=width, dtype=dtype)],
         env=env,
         capture_output=True,
         text=True,
