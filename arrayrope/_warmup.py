@@ -25,8 +25,9 @@ def _dtype(name):
     return np.dtype(name)
 
 
-# The streaming variant is compiled where results of at most this many bytes stream; a higher
-# ARRAYROPE_STREAM_ABOVE turns streaming off in practice.
+# The streaming variants are compiled for a dtype where its results stream from at most this
+# many bytes (see _config.streams_from); a higher ARRAYROPE_STREAM_ABOVE turns streaming off in
+# practice.
 _STREAMING_UP_TO = 1 << 30
 
 

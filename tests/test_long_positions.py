@@ -353,8 +353,8 @@ def test_ropes_building_their_level_tables_at_once_share_one_build(rng):
 @pytest.mark.parametrize("style", ["interleaved", "half"])
 def test_large_in_place_calls_past_the_cache_ask_for_rows_ahead(monkeypatch, dtype, style, rng):
     # In place, rows made per position take the direct path's plain stores (VECTOR), and from
-    # stream_above bytes on the same loop asking for each row's input ahead (VECTOR_AHEAD):
-    # the same bits.
+    # _config.streams_from's bytes on the same loop asking for each row's input ahead
+    # (VECTOR_AHEAD): the same bits.
     if not _config.STREAMING or (dtype == np.float16 and not _config.HARDWARE_F16):
         pytest.skip("the direct path is used on x86-64 only (float16 where the CPU converts it)")
     kinds = []

@@ -471,9 +471,10 @@ def test_large_outputs_stream_and_smaller_ones_take_plain_stores(cpu_config):
 
 
 def test_two_byte_results_stream_from_a_multiple_of_the_threshold(cpu_config):
-    # float16 and bfloat16 results stream, and their calls ask for rows ahead, from
-    # HALF_STREAM_FACTOR times stream_above (see _config.streams_from); the fused step's bits
-    # follow the same sizes. float32 keeps stream_above itself.
+    # The vector steps' float16 and bfloat16 results stream, and their calls ask for rows
+    # ahead, from HALF_STREAM_FACTOR times stream_above (see _config.streams_from), and so do
+    # the fused step's; rows written in chunks on the grid stream from stream_above itself, as
+    # float32 results do.
     if not _config.STREAMING:
         pytest.skip("the direct path is used on x86-64 only")
     from arrayrope.backends.cpu import _fused_launch
@@ -481,8 +482,9 @@ def test_two_byte_results_stream_from_a_multiple_of_the_threshold(cpu_config):
     factor = _config.HALF_STREAM_FACTOR
     assert factor > 1
     cpu_config(stream_above=1 << 20)
-    rope = ar.RoPE(128)
-    dtypes = [np.float16] + ([BF16] if BF16 is not None else [])
+    rope, chunked = ar.RoPE(128), ar.RoPE(128, rotary_dim=50)  # pair blocks off the grid
+    dtypes = [BF16] if BF16 is not None else []
+    dtypes += [np.float16] if _config.HARDWARE_F16 else []  # else the general row loop
     for dtype in dtypes:
         modes = []
         for mib in (1, factor - 1, factor):  # results of that many MiB
@@ -491,6 +493,10 @@ def test_two_byte_results_stream_from_a_multiple_of_the_threshold(cpu_config):
             _general(rope, (x,), None, (x,), modes=modes)  # in place
         plain, ahead = [cpu.VECTOR] * 2, [cpu.DIRECT, cpu.VECTOR_AHEAD]
         assert modes == plain * 2 + ahead, dtype
+        x = np.ones((1, 8, 512, 128), dtype)  # 1 MiB
+        modes = []
+        _general(chunked, (x,), None, (np.empty_like(x),), modes=modes)
+        assert modes == [cpu.CHUNKED], dtype
         # the fused step: q, k and v together below, then at, the 2-byte threshold
         for mib, expected in ((factor - 1, 0), (factor, _fused_launch.PREFETCH)):
             q = np.ones((128 * mib, 32, 128), dtype)  # mib MiB
@@ -498,7 +504,7 @@ def test_two_byte_results_stream_from_a_multiple_of_the_threshold(cpu_config):
             large = _fused_launch.large_step_bits(q, k, k)
             assert large & _fused_launch.PREFETCH == expected, (dtype, mib)
             assert bool(large & _fused_launch.STREAM_Q) == bool(expected)
-    x = np.ones((1, 8, 512, 128), np.float32)  # 2 MiB of float32: past stream_above itself
+    x = np.ones((1, 4, 512, 128), np.float32)  # 1 MiB of float32: stream_above itself
     modes = []
     _general(rope, (x,), None, (np.empty_like(x),), modes=modes)
     assert modes == [cpu.DIRECT]

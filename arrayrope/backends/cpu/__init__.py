@@ -243,7 +243,7 @@ def _filled_stream(spec, operands, segments, cos, sin):
         return 0
     large = _streams(operands)
     if direct_path(spec, operands, segments, cos, sin):
-        return DIRECT if large else _plain(operands)
+        return DIRECT if _streams(operands, direct=True) else _plain(operands)
     steps = vector_steps(spec, operands, segments, cos, sin)
     if steps and _rows_on_grid(operands) and _chunks_hold(spec, operands):
         return CHUNKED if large else CHUNKED_PLAIN
@@ -344,7 +344,7 @@ def _stream(spec, operands, segments, cos, sin):
         return 0
     large = _streams(operands)
     if (large or _config.CONFIG.vector_rows) and direct_path(spec, operands, segments, cos, sin):
-        return DIRECT if large else _plain(operands)
+        return DIRECT if _streams(operands, direct=True) else _plain(operands)
     steps = vector_steps(spec, operands, segments, cos, sin)
     chunks = _rows_on_grid(operands) and _chunks_hold(spec, operands)
     if (large or _config.CONFIG.vector_rows) and steps and chunks:
@@ -359,16 +359,19 @@ def _stream(spec, operands, segments, cos, sin):
 
 def _plain(operands):
     """The direct path with plain stores: VECTOR_AHEAD where the operands (in place, say) hold
-    at least as many bytes as would stream (see _config.streams_from), too large for the
-    cache, else VECTOR."""
+    at least as many bytes as the direct path streams from (see _config.streams_from), too
+    large for the cache, else VECTOR."""
     size = sum(x.nbytes for x, _, _ in operands)
-    return VECTOR_AHEAD if size >= _config.streams_from(operands[0][0].itemsize) else VECTOR
+    return VECTOR_AHEAD if size >= _config.streams_from(operands[0][1].itemsize) else VECTOR
 
 
-def _streams(operands):
-    """Whether the results are large enough for streaming stores (see _config.streams_from)."""
+def _streams(operands, direct=False):
+    """Whether the results are large enough for streaming stores: Config.stream_above bytes,
+    or on the ``direct`` path (the vector steps) _config.streams_from's."""
     written = sum(out.nbytes for x, out, _ in operands if out is not x)
-    return written > 0 and written >= _config.streams_from(operands[0][1].itemsize)
+    itemsize = operands[0][1].itemsize
+    limit = _config.streams_from(itemsize) if direct else _config.CONFIG.stream_above
+    return written > 0 and written >= limit
 
 
 def _flat_operands(operands, stream):

@@ -35,8 +35,8 @@ def _last_level_cache(default=32 << 20):
 
 # The most last-level cache a process counts on per CPU it may run on. A virtual machine's sysfs
 # reports the whole socket's cache, shared with tenants it cannot see (480 MiB on a 2-CPU VM,
-# where streaming stores write 32 to 128 MiB results faster than plain ones); a 2-CPU VM with
-# a 32 MiB cache keeps all of it.
+# where streaming stores write results of a few tens of MiB faster than plain ones); a 2-CPU VM
+# with a 32 MiB cache keeps all of it.
 _CACHE_PER_CPU = 16 << 20
 
 
@@ -65,16 +65,16 @@ class Config:
     # may still be in cache when they are used next, which streaming would forfeit. Calls whose
     # inputs come to this many bytes (in place too) ask for each row's input ahead (see
     # _direct._AHEAD_BYTES); the fused step (rotate_into_cache) asks for its inputs ahead where
-    # they are this large, and streams its results and cache rows as rotate does. The 2-byte
-    # types do both from a multiple of it (see streams_from).
+    # they are this large, and streams its results and cache rows as rotate does. The vector
+    # steps' 2-byte results do both from a multiple of it (see streams_from).
     stream_above: int
     # Aligned outputs below stream_above, arrays rotated in place, and outputs of any size off
     # the 16-byte grid take the direct path's vector loop with plain stores (those whose rows
     # are on the grid and pair blocks off it, in chunks on the grid); off, they take the
     # general row loop. Outputs of stream_above bytes or more whose rows are on the grid
-    # stream by the direct path either way, and positions past the cache take the direct path
-    # either way (see launch_filled), except half-style rows of a 2-byte type with more rotary
-    # elements than a paired row holds (see cpu._chunks_hold).
+    # take the direct path either way (streaming from streams_from's size), and positions past
+    # the cache take the direct path either way (see launch_filled), except half-style rows of
+    # a 2-byte type with more rotary elements than a paired row holds (see cpu._chunks_hold).
     vector_rows: bool
 
     @classmethod
@@ -105,19 +105,22 @@ def _count(environ, name, unit, default):
 
 CONFIG = Config.from_environment()
 
-# Results of 2-byte elements (float16, bfloat16) stream, and their calls ask for rows ahead,
-# from this many times stream_above. Their streaming steps take more instructions than their
-# plain ones (results stored in pieces: see _simd._store_streaming; bfloat16 rounded without
-# AVX512-BF16's instruction), which the memory traffic they save repays only well past the
-# cache: below that, plain stores, which also leave the results in cache, are the faster, and
-# so are calls that leave the prefetching to the CPU.
+# Results of 2-byte elements (float16, bfloat16) that the vector steps write (the direct path,
+# the fused step) stream, and their calls ask for rows ahead, from this many times
+# stream_above. Those streaming steps take more instructions than their plain ones (results
+# stored in pieces: see _simd._store_streaming; bfloat16 rounded without AVX512-BF16's
+# instruction), which the memory traffic they save repays only well past the cache: below
+# that, plain stores, which also leave the results in cache, are the faster, and so are calls
+# that leave the prefetching to the CPU. Rows written in chunks on the grid or out of a
+# scratch block (CHUNKED, SCRATCH) stream from stream_above itself: their plain stores gained
+# there only at its smallest sizes, and lost from twice it on.
 HALF_STREAM_FACTOR = 3
 
 
 def streams_from(itemsize):
     """The bytes of results (or of inputs, where a call asks for rows ahead) of
-    ``itemsize``-byte elements from which they take streaming stores: Config.stream_above, times
-    HALF_STREAM_FACTOR for the 2-byte types."""
+    ``itemsize``-byte elements from which the vector steps take streaming stores:
+    Config.stream_above, times HALF_STREAM_FACTOR for the 2-byte types."""
     return CONFIG.stream_above * (HALF_STREAM_FACTOR if itemsize == 2 else 1)
 
 
