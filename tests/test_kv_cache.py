@@ -168,8 +168,8 @@ def test_aligned_rows_take_the_vector_steps(dtype, layout, rng):
 def test_steps_too_large_for_the_cache_prefetch_and_stream_with_the_same_bits(dtype, case, rng):
     # A large step's bits (prefetch and, on x86-64, streaming stores) are set for inputs of
     # _config.streams_from's bytes (stream_above, times a factor for the 2-byte types); at 0
-    # every step sets them. Partial: d = 72, whose rows' tails
-    # and v's rows stream in 64- and 16-byte copies (q's not where it is rotated in place).
+    # every step sets them. Partial: d = 72, whose rows' tails and v's rows stream in 64- and
+    # 16-byte copies (q's not where it is rotated in place).
     # Reversed: tokens at a negative stride (the rows asked for lie below each token's) into an
     # HND cache. QK-norm: normalized rows, made in a scratch row, stream from it where they
     # keep its dtype (float32, float64), tails included, and so do v's rows beside them; on
