@@ -485,6 +485,11 @@ def main():
         fused = kv_cache.rows(5 if args.quick else 15)
         print("\nthe fused inference step, rotate_into_cache (bench/kv_cache.py):")
         print(kv_cache.report(fused))
+        import streaming
+
+        stores = streaming.rows(3 if args.quick else 7)
+        print("\nwhere streaming stores pay (bench/streaming.py):")
+        print(streaming.report(stores))
         import ggml_rope
 
         llama = ggml_rope.rows(3 if args.quick else 7)
@@ -547,7 +552,7 @@ def main():
             decode,
             rows,
             sweep,
-            (against, accuracy, long_context, matrix, row_cost, fused, llama, compiled),
+            (against, accuracy, long_context, matrix, row_cost, fused, llama, compiled, stores),
             dask_line,
             date,
         )

@@ -55,14 +55,50 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _streaming_section(stores):
+    """The lines of the streaming stores' section (bench/streaming.py), none without rows."""
+    if not stores:
+        return []
+    return [
+        "## Where streaming stores pay",
+        "",
+        "(1, 32, T, 128) half style `rope.rotate(x, out=o)` with results around the size from "
+        "which each dtype streams (float32 from `ARRAYROPE_STREAM_ABOVE`, float16 and bfloat16 "
+        "from three times it), timed as the default policy stores them, with streaming stores "
+        "forced and with plain stores forced, in rounds taking turns (bench/streaming.py). "
+        "`default / faster`: 1.00 where the default took the faster way, above 1 where it lost "
+        "that much. Microseconds, median of rounds.",
+        "",
+        _table(
+            [
+                "dtype",
+                "MiB",
+                "default",
+                "default us",
+                "streaming us",
+                "plain us",
+                "default / faster",
+            ],  # fmt: skip
+            [
+                (dtype, f"{mib:.0f}", way, f"{d:.0f}", f"{s:.0f}", f"{p:.0f}", f"{o:.2f}")
+                for dtype, mib, way, d, s, p, o in stores
+            ],
+        ),
+        "",
+    ]
+
+
 def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
     """The results file: ``measured`` holds the framework rows, the accuracy rows, the long
     context sweep (prefill rows, decode steps), the shape matrix, the cos/sin rows' cost (bytes
     of x, rows), the fused inference step's rows, the rows against llama.cpp's rope (None
-    without ggml) and the torch.compile sweep, as bench.py makes them."""
+    without ggml), the torch.compile sweep and the streaming stores' rows, as bench.py makes
+    them."""
     import shapes  # bench/shapes.py, beside this file
 
-    frameworks, accuracy, (prefill, decode_at), matrix, row_cost, fused, llama, compiled = measured
+    frameworks, accuracy, (prefill, decode_at), matrix, row_cost, fused, llama, compiled, stores = (
+        measured
+    )
     revision = _revision()  # before this writes the results files
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -136,6 +172,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "",
         f"![throughput against tensor size]({figures['throughput']})",
         "",
+        *_streaming_section(stores),
         "## Against other implementations",
         "",
         "The same rotation (float32, half style) as models write it with the framework's own "
