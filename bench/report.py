@@ -67,7 +67,8 @@ def _streaming_section(stores):
         "from three times it), timed as the default policy stores them, with streaming stores "
         "forced and with plain stores forced, in rounds taking turns (bench/streaming.py). "
         "`default / faster`: 1.00 where the default took the faster way, above 1 where it lost "
-        "that much. Microseconds, median of rounds.",
+        "that much (below 1: the default is one of the two ways, and its own turns ran faster "
+        "than that way's). Microseconds, median of rounds.",
         "",
         _table(
             [

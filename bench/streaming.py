@@ -10,7 +10,9 @@ float32 results stream from ARRAYROPE_STREAM_ABOVE, float16 and bfloat16 from th
 (see the README). Each row: the results' size, how the default stores them, the microseconds
 of each way (median of rounds, each round the best of three calls) and the default's time over
 the faster forced way's: 1.00 where the default took the faster, above 1 where it lost that
-much. Forced plain stores leave prefetching to the CPU; forced streaming asks for each row ahead.
+much (below 1: the default is one of the two ways, and its own turns ran faster than that
+way's). Forced plain stores leave prefetching to the CPU; forced streaming asks for each row
+ahead.
 ``bench/bench.py`` prints the same rows.
 """
 
