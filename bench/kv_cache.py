@@ -19,7 +19,7 @@ q, k and v are views of one fused projection (N, (32 + 2*8) * 128); the caches a
 
 Prefill: 2048 tokens at positions 100..2147 into consecutive slots (in bfloat16 a projection of
 24 MiB, which a last-level cache of 32 MiB partly holds for the copy and for the step, whose
-2-byte rows stream only from three times ARRAYROPE_STREAM_ABOVE), and 8192 tokens, whose
+2-byte rows stream only from twice ARRAYROPE_STREAM_ABOVE), and 8192 tokens, whose
 projection no such cache holds; decode: 32 tokens at mixed positions below 30,000, into slots
 scattered over a 4096-slot cache, and the same 10**6 further on (past the cache of cos/sin
 rows: each token's row made from the level tables once for the step's positions, which the

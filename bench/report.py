@@ -64,7 +64,7 @@ def _streaming_section(stores):
         "",
         "(1, 32, T, 128) half style `rope.rotate(x, out=o)` with results around the size from "
         "which each dtype streams (float32 from `ARRAYROPE_STREAM_ABOVE`, float16 and bfloat16 "
-        "from three times it), timed as the default policy stores them, with streaming stores "
+        "from twice it), timed as the default policy stores them, with streaming stores "
         "forced and with plain stores forced, in rounds taking turns (bench/streaming.py). "
         "`default / faster`: 1.00 where the default took the faster way, above 1 where it lost "
         "that much (below 1: the default is one of the two ways, and its own turns ran faster "
@@ -298,7 +298,7 @@ def write(path, info, cold, decode, rows, sweep, measured, dask_line, date):
         "`unfused` is `rotate_qk(..., out=)` and two NumPy scatters into the cache; `copy` the "
         "fastest copy of the projection's bytes. Prefill: 2048 tokens at consecutive slots (and "
         "8192: in bfloat16, 2048 tokens are 24 MiB, which a last-level cache of 32 MiB partly "
-        "holds for the copy and for the step, whose 2-byte rows stream only from three times "
+        "holds for the copy and for the step, whose 2-byte rows stream only from twice "
         "`ARRAYROPE_STREAM_ABOVE`); "
         "decode: 32 tokens at mixed positions and scattered slots, below 30,000 and from 10**6 on "
         "(past the cache of cos/sin rows). QK-norm: q and k RMS-normalized per head before the "

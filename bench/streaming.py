@@ -6,7 +6,7 @@ stores forced and with plain stores forced, in rounds that take turns.
     python bench/streaming.py           # float32, float16, bfloat16
     python bench/streaming.py --quick   # fewer rounds
 
-float32 results stream from ARRAYROPE_STREAM_ABOVE, float16 and bfloat16 from three times it
+float32 results stream from ARRAYROPE_STREAM_ABOVE, float16 and bfloat16 from twice it
 (see the README). Each row: the results' size, how the default stores them, the microseconds
 of each way (median of rounds, each round the best of three calls) and the default's time over
 the faster forced way's: 1.00 where the default took the faster, above 1 where it lost that

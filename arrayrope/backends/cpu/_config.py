@@ -105,16 +105,16 @@ def _count(environ, name, unit, default):
 
 CONFIG = Config.from_environment()
 
-# Results of 2-byte elements (float16, bfloat16) that the vector steps write (the direct path,
-# the fused step) stream, and their calls ask for rows ahead, from this many times
-# stream_above. Those streaming steps take more instructions than their plain ones (results
-# stored in pieces: see _simd._store_streaming; bfloat16 rounded without AVX512-BF16's
-# instruction), which the memory traffic they save repays only well past the cache: below
-# that, plain stores, which also leave the results in cache, are the faster, and so are calls
-# that leave the prefetching to the CPU. Rows written in chunks on the grid or out of a
-# scratch block (CHUNKED, SCRATCH) stream from stream_above itself: their plain stores gained
+# Results of 2-byte elements (float16, bfloat16) that the vector steps write (the direct path, the
+# fused step) stream, and their calls ask for rows ahead, from this many times stream_above. Those
+# streaming steps take more instructions than their plain ones (results stored in pieces: see
+# _simd._store_streaming; bfloat16 rounded without AVX512-BF16's instruction), which the memory
+# traffic they save repays only once the results alone fill the cache share (twice stream_above's
+# default): below that, plain stores, which also leave the results in cache, are the faster, and
+# so are calls that leave the prefetching to the CPU. Rows written in chunks on the grid or out of
+# a scratch block (CHUNKED, SCRATCH) stream from stream_above itself: their plain stores gained
 # there only at its smallest sizes, and lost from twice it on.
-HALF_STREAM_FACTOR = 3
+HALF_STREAM_FACTOR = 2
 
 
 def streams_from(itemsize):
