@@ -702,13 +702,17 @@ def test_streaming_steps_store_with_streaming_stores_only():
     steps += [chunk_step(True, kind, w, True) for kind in ("first", "second") for w in (16, 32, 64)]
     steps += [chunk_step(half, "mixed", 16, True) for half in (True, False)]
     copies = [copy_bytes(True, w) for w in (16, 32, 64)]  # tails, v's rows
-    # one function calling every step (row 64, element 48 of it, h = 40: every read inside)
+    # one function calling every step (row 64, element 48 of it, h = 40: every read inside),
+    # and the line walk's pair step (see _ladder.line_walk) at element 64 of the row: on a line
+    # where o starts on one
     calls = "".join(
         f"    s{i}(x, at, o, at, h, cos, sin, zero, k, False)\n" for i in range(len(steps))
     )
+    calls += "    line(x, at, o, at, h, cos, sin, zero, at, False)\n"
     calls += "".join(f"    c{i}(x, at, o, at)\n" for i in range(len(copies)))
     source = "def every_step(x, o, cos, sin):\n    at, h, k, zero = u(64), u(40), u(48), u(0)\n"
-    names = {f"s{i}": step for i, step in enumerate(steps)}
+    names = {"line": row_step(False, 64, True, 64)}
+    names |= {f"s{i}": step for i, step in enumerate(steps)}
     names |= {f"c{i}": copy for i, copy in enumerate(copies)}
     exec(source + calls, namespace := {"u": np.uint64, **names})
     every_step = njit(cache=False)(namespace["every_step"])
@@ -717,7 +721,10 @@ def test_streaming_steps_store_with_streaming_stores_only():
     store = re.compile(r"^\s+(v\w+)\s.*,\s*(-?\d*\(%(?!rsp|rbp)[^)]*\))\s*$")
     dtypes = [np.uint16, np.float32] + ([np.int16] if _config.HARDWARE_F16 else [])
     for bits_dtype in dtypes:
-        x, o = np.zeros(256, bits_dtype), np.zeros(256, bits_dtype)
+        # o on a line, so that the line walk's step (element 64 on) stores where it may
+        raw = np.zeros(256 + 64, bits_dtype)
+        skip = -raw.__array_interface__["data"][0] % 64 // raw.itemsize
+        x, o = np.zeros(256, bits_dtype), raw[skip : skip + 256]
         table = np.zeros(256, np.float32)
         every_step(x, o, table, table)
         asm = every_step.inspect_asm(every_step.signatures[-1])

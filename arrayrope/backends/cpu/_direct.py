@@ -1,8 +1,9 @@
 """The direct path: rows rotated in vector registers and stored straight into the output.
 
-Large outputs take streaming stores with no scratch block: float32 and float64 rows one
-aligned store per whole cache line (see _ladder.line_walk), the rest in 16-byte pieces, which
-the CPU's write-combining buffers join, so a line split between two rows streams whole too.
+Large outputs take streaming stores with no scratch block: whole cache lines of a row in
+aligned stores (see _ladder.line_walk), the rest, and the half style's float16 and bfloat16
+rows, in 16-byte pieces, which the CPU's write-combining buffers join, so a line split between
+two rows streams whole too.
 Smaller outputs, and arrays rotated in place, take the same loop with plain stores. Calls too
 large for the cache (DIRECT, CHUNKED, VECTOR_AHEAD) ask for each row's input ahead. Every store
 address must be 16-byte aligned (the launcher checks: see ``direct_path``); outputs off that
@@ -101,14 +102,18 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     split_ladder = (
         None if chunked or nontemporal else ladder(True, widths, False, aligned, split=True)
     )
-    # Rows of 4- and 8-byte elements with streaming stores: in whole cache lines (see
-    # line_walk). The 2-byte types keep the ladders: the half style's walk converts each
-    # element twice (as itself and as its partner), and with the interleaved walk compiled
-    # beside it, their half-style ladder ran slower too ((1, 32, T, 64): 0.69-0.88x).
+    # Rows with streaming stores: in whole cache lines (see line_walk), but for the half style's
+    # 2-byte rows, which keep the ladder: its walk converts each element twice (as itself and as
+    # its partner), and a walk computing each pair once where both halves stand alike on the
+    # line grid ran no faster (a 64-element row's halves, one line each, then go in 16-byte
+    # steps). On the line grid a 2-byte pair step stores its 64 bytes in one aligned store
+    # (bfloat16) or two (float16: see _simd._store_streaming), where a ladder's step, whose
+    # address is known to 16 bytes only, takes four.
     streams_lines = nontemporal and aligned and not chunked
     lines = line_walk(True, True) if streams_lines else None
     if streams_lines:
-        ladders[True] = (ladders[True][0], line_walk(False, True))
+        pairs_by_lines = line_walk(False, True)
+        ladders = {wide: (half_row, pairs_by_lines) for wide, (half_row, _) in ladders.items()}
     copy_16 = copy_bytes(nontemporal, 16, aligned)
     copy_step = copy_bytes(nontemporal, _TAIL_STEP_BYTES, aligned)
 
