@@ -106,9 +106,9 @@ def _direct_runs_for(nontemporal, in_place_runs=None, aligned=True, chunked=Fals
     # 2-byte rows, which keep the ladder: its walk converts each element twice (as itself and as
     # its partner), and a walk computing each pair once where both halves stand alike on the
     # line grid ran no faster (a 64-element row's halves, one line each, then go in 16-byte
-    # steps). On the line grid a 2-byte pair step stores its 64 bytes in one aligned store
-    # (bfloat16) or two (float16: see _simd._store_streaming), where a ladder's step, whose
-    # address is known to 16 bytes only, takes four.
+    # steps). On the line grid a 2-byte pair step stores its 64 bytes in aligned stores as wide
+    # as the vectors (bfloat16) or in two 32-byte pieces (float16: see _simd._store_streaming),
+    # where a ladder's step, whose address is known to 16 bytes only, takes four.
     streams_lines = nontemporal and aligned and not chunked
     lines = line_walk(True, True) if streams_lines else None
     if streams_lines:
